@@ -1,0 +1,236 @@
+"""Training configuration: a TOML file plus `section.key=value` overrides, checked at start-up.
+
+Every key has a typed default below; a config file only lists what it changes. Unknown sections or
+keys, wrong types and impossible values raise `ConfigError` naming the key, before any process
+group or model exists. `python -m parallel.config CONFIG [overrides] --world-size N` checks a
+config without training (launch/train.sh runs it before torchrun) and prints the resolved values.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VOCAB_SIZE = 256  # byte-level tokens
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message starts with the key."""
+
+
+@dataclass
+class ModelConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 8  # fewer than n_heads: grouped-query attention
+    ffn_dim: int = 704  # SwiGLU hidden size
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 512
+    tie_embeddings: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a text file to train on; empty: the generated corpus (parallel/data.py)
+    corpus_bytes: int = 200_000  # size of the generated corpus
+    seq_len: int = 128
+    batch_size: int = 8  # sequences per micro-batch on each data-parallel rank
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    seed: int = 0
+    dtype: str = "float32"  # or "bfloat16": bf16 compute, fp32 params, grads reduced in fp32
+    norm: str = "shardnorm"  # or "torch": torch.nn.RMSNorm + torch's SequenceParallel
+    compile: bool = False  # torch.compile each transformer block
+    check: bool = False  # after training, re-run single-process with torch norms; compare losses
+    check_rtol: float = 1e-4  # allowed max relative loss difference for `check`
+    timing_skip: int = 2  # first steps left out of the summary's throughput (warm-up, compile)
+    out_dir: str = ""  # empty: runs/<config name>-<engine>-<norm>[-compile]
+
+
+@dataclass
+class ParallelConfig:
+    engine: str = "fsdp_tp"  # or "deepspeed" (launch/deepspeed.sh sets it)
+    dp: int = -1  # data-parallel (FSDP2) degree; -1: world size / tp
+    tp: int = 1  # tensor/sequence-parallel degree
+    deepspeed_config: str = "configs/deepspeed/zero2.json"
+
+
+@dataclass
+class Config:
+    name: str = "config"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def out_dir(self) -> Path:
+        if self.train.out_dir:
+            return Path(self.train.out_dir)
+        suffix = "-compile" if self.train.compile else ""
+        return Path("runs") / f"{self.name}-{self.parallel.engine}-{self.train.norm}{suffix}"
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(dp, tp) for `world_size` processes; raises ConfigError if they do not multiply to it."""
+        tp, dp = self.parallel.tp, self.parallel.dp
+        if world_size % tp:
+            raise ConfigError(f"parallel.tp: {tp} does not divide the world size {world_size}")
+        if dp == -1:
+            dp = world_size // tp
+        if dp * tp != world_size:
+            raise ConfigError(f"parallel.dp × parallel.tp = {dp} × {tp} = {dp * tp}, "
+                              f"but the world size is {world_size}")
+        return dp, tp
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+            "parallel": ParallelConfig}
+CHOICES = {"train.dtype": ("float32", "bfloat16"), "train.norm": ("shardnorm", "torch"),
+           "parallel.engine": ("fsdp_tp", "deepspeed")}
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """`section.key=value` -> (section, key, value); the value is read as TOML, else a string."""
+    dotted, sep, raw = text.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not (sep and dot and key):
+        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. train.steps=20")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key.strip(), value
+
+
+def _typed(key: str, value, expected: type):
+    if expected is float and type(value) is int:
+        return float(value)
+    if type(value) is not expected:  # bool is not accepted where an int is expected
+        raise ConfigError(f"{key}: expected {expected.__name__}, got {type(value).__name__} "
+                          f"{value!r}")
+    return value
+
+
+def _section(name: str, cls, table: dict):
+    if not isinstance(table, dict):
+        raise ConfigError(f"{name}: expected a [{name}] table, got {table!r}")
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in table.items():
+        if key not in types:
+            raise ConfigError(f"{name}.{key}: unknown key; [{name}] has {', '.join(types)}")
+        values[key] = _typed(f"{name}.{key}", value, types[key])
+    return cls(**values)
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that do not depend on the world size."""
+    for dotted, allowed in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        _check(value in allowed, dotted, f"{value!r} is not one of {', '.join(allowed)}")
+    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.parallel
+    for key, value in [("model.dim", m.dim), ("model.n_layers", m.n_layers),
+                       ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                       ("model.ffn_dim", m.ffn_dim), ("data.seq_len", d.seq_len),
+                       ("data.batch_size", d.batch_size), ("train.steps", t.steps),
+                       ("train.grad_accum", t.grad_accum), ("parallel.tp", p.tp)]:
+        _check(value > 0, key, f"must be positive, got {value}")
+    _check(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not a multiple of model.n_heads "
+           f"({m.n_heads})")
+    _check((m.dim // m.n_heads) % 2 == 0, "model.dim", "head size dim / n_heads must be even (RoPE)")
+    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+           f"{m.n_kv_heads} does not divide model.n_heads ({m.n_heads})")
+    _check(d.seq_len <= m.max_seq_len, "data.seq_len", f"{d.seq_len} exceeds model.max_seq_len "
+           f"({m.max_seq_len})")
+    _check(p.dp == -1 or p.dp > 0, "parallel.dp", f"must be positive or -1, got {p.dp}")
+    for key, value in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
+                       ("data.seq_len", d.seq_len), ("vocabulary size", VOCAB_SIZE)]:
+        _check(value % p.tp == 0, key, f"{value} is not divisible by parallel.tp ({p.tp})")
+    _check(p.engine != "deepspeed" or p.tp == 1, "parallel.tp",
+           "must be 1 with parallel.engine = deepspeed (DeepSpeed runs data parallel only here)")
+    _check(p.engine != "deepspeed" or Path(p.deepspeed_config).is_file(),
+           "parallel.deepspeed_config", f"{p.deepspeed_config} is not a file")
+    _check(not d.path or Path(d.path).is_file(), "data.path", f"{d.path} is not a file")
+    for key, value in [("train.lr", t.lr), ("train.warmup_steps", t.warmup_steps),
+                       ("train.weight_decay", t.weight_decay),
+                       ("train.max_grad_norm", t.max_grad_norm), ("train.check_rtol", t.check_rtol),
+                       ("train.timing_skip", t.timing_skip), ("model.norm_eps", m.norm_eps)]:
+        _check(value >= 0, key, f"must not be negative, got {value}")
+    _check(t.timing_skip < t.steps, "train.timing_skip",
+           f"{t.timing_skip} leaves no timed step out of train.steps ({t.steps})")
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read a TOML config, apply `section.key=value` overrides, validate; raise ConfigError."""
+    path = Path(path)
+    try:
+        tables = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for text in overrides:
+        section, key, value = parse_override(text)
+        tables.setdefault(section, {})[key] = value
+    unknown = set(tables) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"{sorted(unknown)[0]}: unknown section; known: {', '.join(SECTIONS)}")
+    cfg = Config(name=path.stem, **{name: _section(name, cls, tables.get(name, {}))
+                                    for name, cls in SECTIONS.items()})
+    validate(cfg)
+    return cfg
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """The training command line: CONFIG [section.key=value ...] [--norm N] [--check] [--compile]."""
+    parser = argparse.ArgumentParser(
+        prog="parallel.train", description=__doc__.split("\n")[0],
+        epilog="Overrides: section.key=value, values in TOML syntax (train.lr=1e-3, "
+               "train.compile=true, data.path=\"corpus.txt\"); bare words are strings.")
+    parser.add_argument("config", help="TOML file, e.g. configs/tiny_cpu.toml")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("--norm", choices=CHOICES["train.norm"], help="same as train.norm=…")
+    parser.add_argument("--check", action="store_true", help="same as train.check=true")
+    parser.add_argument("--compile", action="store_true", help="same as train.compile=true")
+    parser.add_argument("--world-size", type=int, help="check the mesh against this world size")
+    args = parser.parse_intermixed_args(argv)
+    flags = ([f"train.norm={args.norm}"] if args.norm else []) + \
+            (["train.check=true"] if args.check else []) + \
+            (["train.compile=true"] if args.compile else [])
+    cfg = load(args.config, args.overrides + flags)
+    if args.world_size:
+        cfg.mesh_shape(args.world_size)
+    return cfg, args
+
+
+def main() -> None:
+    try:
+        cfg, _ = parse_args()
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    for name in SECTIONS:
+        print(f"[{name}]", *(f"{k} = {json.dumps(v)}" for k, v in vars(getattr(cfg, name)).items()),
+              sep="\n", end="\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""One optimizer step over a step's micro-batches, for each way the model can run.
+
+`TorchEngine` drives a plain model (the single-process `--check` reference) or an FSDP2 × TP model;
+`DeepSpeedEngine` drives a model wrapped by DeepSpeed from a DeepSpeed JSON config. Both use the same
+loss, AdamW and learning-rate schedule, so their losses are comparable step by step.
+"""
+
+import contextlib
+import json
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+from parallel.config import TrainConfig
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_optimizer(model: nn.Module, train: TrainConfig):
+    """AdamW with linear warm-up, then cosine decay to 10% of the peak learning rate."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.95),
+                                  weight_decay=train.weight_decay)
+
+    def lr_factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / (train.warmup_steps + 1)
+        progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+class TorchEngine:
+    """Gradient accumulation without communication until the last micro-batch, then one step."""
+
+    def __init__(self, model: nn.Module, train: TrainConfig):
+        self.model, self.max_grad_norm = model, train.max_grad_norm
+        self.optimizer, self.scheduler = build_optimizer(model, train)
+
+    def _micro_batch(self, last: bool):
+        """FSDP2 reduce-scatters only on the last micro-batch's backward."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        total = 0.0
+        for i, (inputs, targets) in enumerate(micro_batches):
+            with self._micro_batch(last=i == len(micro_batches) - 1):
+                loss = cross_entropy(self.model(inputs), targets) / len(micro_batches)
+                loss.backward()
+            total += loss.detach()
+        if self.max_grad_norm:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(total)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+class DeepSpeedEngine:
+    """The TOML owns batch size, accumulation, clipping, precision and the optimizer; the DeepSpeed
+    JSON owns ZeRO and the "shardnorm" section (turned off for `--norm torch`)."""
+
+    def __init__(self, model: nn.Module, train: TrainConfig, ds_config_path: str,
+                 micro_batch_size: int):
+        import deepspeed
+
+        config = json.loads(open(ds_config_path).read())
+        config.pop("train_batch_size", None)
+        config.update(train_micro_batch_size_per_gpu=micro_batch_size,
+                      gradient_accumulation_steps=train.grad_accum,
+                      gradient_clipping=train.max_grad_norm)
+        config.setdefault("bf16", {})["enabled"] = train.dtype == "bfloat16"
+        config.setdefault("shardnorm", {})["enabled"] = train.norm == "shardnorm"
+        optimizer, scheduler = build_optimizer(model, train)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, config=config, optimizer=optimizer, lr_scheduler=scheduler)
+        self.model = self.engine.module
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """DeepSpeed scales each micro-batch loss and steps at the accumulation boundary itself."""
+        total = 0.0
+        for inputs, targets in micro_batches:
+            loss = cross_entropy(self.engine(inputs), targets)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach() / len(micro_batches)
+        return float(total)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]

@@ -1,0 +1,117 @@
+"""Per-step metrics on rank 0: log lines (a progress bar on a terminal), metrics.jsonl, summary, plot.
+
+Files in the output dir: `metrics.jsonl` (one JSON object per step), `summary.json` (the final
+summary line as JSON) and `loss.png` (loss per step; with --check also the reference run's).
+"""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("parallel")
+
+
+def setup_logging(is_main: bool) -> None:
+    """INFO lines on rank 0; other ranks only report warnings and errors."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if is_main else logging.WARNING)
+    logger.propagate = False
+
+
+def format_step(record: dict) -> str:
+    return (f"step {record['step']:>4}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+            f"{record['tokens_per_s']:>10,.0f} tok/s  {record['step_time_s'] * 1e3:8.1f} ms  "
+            f"peak {record['peak_mem_gib']:.2f} GiB")
+
+
+def format_summary(s: dict) -> str:
+    return (f"summary: norm={s['norm']} engine={s['engine']} dp={s['dp']} tp={s['tp']} "
+            f"compile={s['compile']} dtype={s['dtype']} | {s['tokens_per_s']:,.0f} tokens/s  "
+            f"step {s['step_time_s'] * 1e3:.1f} ms  peak {s['peak_mem_gib']:.2f} GiB "
+            f"({s['memory_kind']})  final loss {s['final_loss']:.4f}")
+
+
+class ProgressBar:
+    """A tqdm-style single line redrawn in place on stderr."""
+
+    def __init__(self, total: int, width: int = 24):
+        self.total, self.width = total, width
+
+    def update(self, step: int, text: str) -> None:
+        filled = self.width * step // self.total
+        sys.stderr.write(f"\r|{'█' * filled}{' ' * (self.width - filled)}| {step}/{self.total} "
+                         f"{text}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+class MetricsLogger:
+    """Writes one record per step; does nothing on ranks other than 0."""
+
+    def __init__(self, out_dir: Path, total_steps: int, enabled: bool):
+        self.out_dir, self.enabled, self.records = out_dir, enabled, []
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.file = (out_dir / "metrics.jsonl").open("w")
+        self.bar = ProgressBar(total_steps) if sys.stderr.isatty() else None
+
+    def log_step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.bar:
+            self.bar.update(record["step"], format_step(record))
+        else:
+            logger.info(format_step(record))
+
+    def summarize(self, timing_skip: int, extra: dict) -> dict:
+        """Throughput and step time over the steps after the first `timing_skip`."""
+        timed = self.records[timing_skip:]
+        seconds = sum(r["step_time_s"] for r in timed)
+        return {**extra,
+                "steps": len(self.records),
+                "timed_steps": len(timed),
+                "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
+                "step_time_s": seconds / len(timed),
+                "peak_mem_gib": max(r["peak_mem_gib"] for r in self.records),
+                "final_loss": self.records[-1]["loss"]}
+
+    def finish(self, summary: dict, reference_losses: list[float] | None = None) -> None:
+        if not self.enabled:
+            return
+        if self.bar:
+            self.bar.close()
+        self.file.close()
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot_losses(self.out_dir / "loss.png", [r["loss"] for r in self.records],
+                    summary["norm"], reference_losses)
+        logger.info(format_summary(summary))
+        logger.info("wrote %s/{metrics.jsonl,summary.json,loss.png}", self.out_dir)
+
+
+def plot_losses(path: Path, losses: list[float], label: str,
+                reference: list[float] | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = range(1, len(losses) + 1)
+    ax.plot(steps, losses, label=f"{label} norms (distributed)")
+    if reference:
+        ax.plot(steps, reference, "--", label="torch norms (single process, --check)")
+    ax.set(xlabel="step", ylabel="loss", title="training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

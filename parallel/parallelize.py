@@ -1,0 +1,68 @@
+"""FSDP2 × tensor/sequence parallelism on a 2-D (dp, tp) DeviceMesh, torchtitan order: TP, compile, FSDP.
+
+TP plan (Megatron-style with sequence parallelism): the residual stream and the norms are sharded on
+the sequence dim (Shard(1)); attention and MLP inputs are all-gathered to Replicate, their first
+linears split columns (heads / hidden units), their last linears split rows and reduce-scatter back
+to Shard(1). Norm weights stay replicated over tp; their grads are partial sums over the tp ranks'
+tokens, which the norm's ParallelStyle makes sure are reduced exactly once.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from parallel.config import TrainConfig
+from parallel.model import Transformer
+
+
+def norm_style(norm: str):
+    """The ParallelStyle for a sequence-parallel norm of the given kind."""
+    return SequenceParallel()
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, norm: str) -> None:
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": norm_style(norm),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    if model.cfg.tie_embeddings:  # both were sharded Shard(0) on the vocab dim: tie them again
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": norm_style(norm),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": norm_style(norm),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, dtype: torch.dtype) -> None:
+    """One FSDP unit per block, the root unit holds embeddings, final norm and output."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, train: TrainConfig) -> nn.Module:
+    if mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, mesh["tp"], train.norm)
+    if train.compile:
+        for block in model.layers:
+            block.compile(fullgraph=True)
+    apply_fsdp(model, mesh["dp"], getattr(torch, train.dtype))
+    return model

@@ -1,0 +1,79 @@
+"""Where the run executes: process group, device, peak memory, and a synchronizing clock.
+
+NCCL on cuda:LOCAL_RANK when CUDA is available, gloo on CPU otherwise. Started without torchrun
+(no RANK in the environment) it runs as a single process of a world of one.
+"""
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        """Wall-clock seconds after all queued device work has finished."""
+        self.synchronize()
+        return time.perf_counter()
+
+    def reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory_gib(self) -> float:
+        """CUDA allocator peak since the last reset; on CPU the process's maximum RSS so far."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+    @property
+    def memory_kind(self) -> str:
+        return "cuda max allocated" if self.device.type == "cuda" else "process max RSS"
+
+    def mean_over_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)  # SUM: gloo has no AVG
+        return t.item() / self.world_size
+
+
+def init_runtime(deepspeed: bool = False) -> Runtime:
+    """Join the process group torchrun (or the deepspeed launcher) describes in the environment."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if "RANK" in os.environ:
+        if deepspeed:
+            import deepspeed as ds
+
+            ds.init_distributed()  # its own backend choice: nccl, or gloo/ccl for DS_ACCELERATOR=cpu
+        else:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    device_id=device if device.type == "cuda" else None)
+    return Runtime(rank, world_size, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

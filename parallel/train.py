@@ -1,0 +1,117 @@
+"""Train the Llama-style decoder with shardnorm (or torch) norms; the project's main job.
+
+    launch/train.sh configs/tiny_cpu.toml [section.key=value ...] [--norm torch] [--check]
+
+or directly `torchrun --nproc-per-node N -m parallel.train CONFIG ...` from the repository root.
+Rank 0 logs every step and writes metrics.jsonl, summary.json and loss.png to the output dir;
+`--check` then re-runs the same steps in one process with torch norms and compares the losses.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from parallel.config import Config, ConfigError, parse_args
+from parallel.data import BatchSampler, load_tokens
+from parallel.engines import DeepSpeedEngine, TorchEngine
+from parallel.metrics import MetricsLogger, logger, setup_logging
+from parallel.model import build_model
+from parallel.parallelize import parallelize
+from parallel.runtime import Runtime, init_runtime, shutdown
+
+
+def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
+    """The parallelized model with its optimizer, and this rank's data-parallel index."""
+    deepspeed = cfg.parallel.engine == "deepspeed"
+    # DeepSpeed converts torch norms itself, from the "shardnorm" section of its config
+    norm = "torch" if deepspeed else cfg.train.norm
+    model = build_model(cfg.model, norm, runtime.device, cfg.train.seed)
+    if runtime.is_main:
+        logger.info("%s: %.2fM parameters, %s norms, engine %s, dp=%d × tp=%d on %s", cfg.name,
+                    sum(p.numel() for p in model.parameters()) / 1e6, cfg.train.norm,
+                    cfg.parallel.engine, dp, tp, runtime.device)
+    if deepspeed:
+        return DeepSpeedEngine(model, cfg.train, cfg.parallel.deepspeed_config,
+                               cfg.data.batch_size), runtime.rank
+    mesh = init_device_mesh(runtime.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return TorchEngine(parallelize(model, mesh, cfg.train), cfg.train), mesh["dp"].get_local_rank()
+
+
+def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: int) -> None:
+    engine, dp_rank = build_engine(cfg, runtime, dp, tp)
+    tokens = load_tokens(cfg.data.path, cfg.data.corpus_bytes, cfg.train.seed)
+    sampler = BatchSampler(tokens, cfg.data.seq_len, cfg.data.batch_size, cfg.train.grad_accum,
+                           cfg.train.seed, dp_rank, dp)
+    tokens_per_step = dp * cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum
+    for step in range(1, cfg.train.steps + 1):
+        micro_batches = sampler.next_step(runtime.device)
+        runtime.reset_peak_memory()
+        start = runtime.now()
+        lr = engine.lr
+        loss = engine.step(micro_batches)
+        seconds = runtime.now() - start
+        metrics.log_step({"step": step, "loss": runtime.mean_over_ranks(loss), "lr": lr,
+                          "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / seconds,
+                          "step_time_s": seconds, "peak_mem_gib": runtime.peak_memory_gib()})
+
+
+def reference_losses(cfg: Config, device: torch.device, dp: int) -> list[float]:
+    """The same steps in this process alone: torch norms, no sharding, the whole global batch."""
+    model = build_model(cfg.model, "torch", device, cfg.train.seed)
+    engine = TorchEngine(model, cfg.train)
+    tokens = load_tokens(cfg.data.path, cfg.data.corpus_bytes, cfg.train.seed)
+    sampler = BatchSampler(tokens, cfg.data.seq_len, cfg.data.batch_size * dp,
+                           cfg.train.grad_accum, cfg.train.seed)
+    return [engine.step(sampler.next_step(device)) for _ in range(cfg.train.steps)]
+
+
+def check(losses: list[float], reference: list[float], rtol: float) -> dict:
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    passed = worst <= rtol
+    logger.info("check: max relative loss difference vs single-process torch norms over %d "
+                "steps: %.3e (rtol %.0e) %s", len(losses), worst, rtol,
+                "PASSED" if passed else "FAILED")
+    return {"check_max_rel_diff": worst, "check_rtol": rtol, "check_passed": passed}
+
+
+def main() -> None:
+    # Under TP the root returns its logits as a view of the local shard; the loss never modifies
+    # them in place, which is what FSDP2 warns about.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        cfg, _ = parse_args()
+        dp, tp = cfg.mesh_shape(world_size)
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    runtime = init_runtime(deepspeed=cfg.parallel.engine == "deepspeed")
+    setup_logging(runtime.is_main)
+    metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main)
+    try:
+        train(cfg, runtime, metrics, dp, tp)
+    finally:
+        shutdown()
+    if not runtime.is_main:
+        return
+    summary = metrics.summarize(cfg.train.timing_skip, {
+        "config": cfg.name, "norm": cfg.train.norm, "engine": cfg.parallel.engine,
+        "world_size": world_size, "dp": dp, "tp": tp, "compile": cfg.train.compile,
+        "dtype": cfg.train.dtype, "device": str(runtime.device),
+        "memory_kind": runtime.memory_kind})
+    reference = None
+    if cfg.train.check:
+        reference = reference_losses(cfg, runtime.device, dp)
+        summary.update(check([r["loss"] for r in metrics.records], reference,
+                             cfg.train.check_rtol))
+    metrics.finish(summary, reference)
+    if not summary.get("check_passed", True):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
