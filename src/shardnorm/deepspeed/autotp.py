@@ -1,0 +1,139 @@
+"""DeepSpeed AutoTP training: shardnorm owns the replicated-grad all-reduce of q/k-norm weights.
+
+AutoTP (deepspeed >= 0.18, `"tensor_parallel": {"autotp_size": N}`) keeps some parameters
+replicated while their module sees sharded activations (Qwen3's q_norm/k_norm normalize the local
+attention heads). Their partition spec carries `grad_allreduce` (or the Hugging Face plan style
+"replicated_with_grad_allreduce"), and `AutoTP.register_replicated_grad_hooks` then puts a tensor
+hook on each: one synchronous all-reduce per parameter per micro-batch.
+
+For the norm weights among them, shardnorm takes that job instead: it sets the flag DeepSpeed
+checks (`_ds_grad_allreduce_registered`) before `deepspeed.initialize`, lets the local partial
+sums accumulate in `.grad` over the micro-batches, and at the end of the last micro-batch's
+backward all-reduces them over the tensor-parallel group in fp32 buckets: one collective per
+bucket per optimizer step.
+
+That timing needs the grads to stay in `.grad` until the accumulation boundary's backward ends,
+which holds for ZeRO stage 0 and 1 (with `overlap_comm` off and grads accumulated in the parameter
+dtype). ZeRO-2/3 and `overlap_comm` reduce each grad inside backward as soon as it is
+accumulated; there shardnorm cannot own the reduction and asks for `"grad_reduce": "deepspeed"`.
+"""
+
+import types
+
+import torch
+import torch.distributed as dist
+
+from .config import ShardnormConfigError, ShardnormSection
+from .conversion import shardnorm_modules
+
+_DS_FLAG = "_ds_grad_allreduce_registered"
+
+
+def autotp_size(ds_config: dict) -> int:
+    return int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0)
+
+
+def _partition_config(model: torch.nn.Module, ds_config: dict):
+    """The AutoTPConfig DeepSpeed will shard `model` with: preset/custom partition_config, else the HF tp_plan."""
+    from deepspeed.module_inject.autotp_config import AutoTPConfig
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan, get_tensor_parallel_config
+
+    config = get_tensor_parallel_config(ds_config).get_partition_config_object()
+    if config is None:
+        specs = TPPlanConverter.convert(_get_hf_tp_plan(model) or {})
+        config = AutoTPConfig(layer_specs=specs) if specs else None
+    return config
+
+
+def marked_norm_params(model: torch.nn.Module, ds_config: dict) -> list:
+    """shardnorm weights/biases that AutoTP marks for a tensor-parallel grad all-reduce."""
+    if autotp_size(ds_config) <= 1:
+        return []
+    config = _partition_config(model, ds_config)
+    if config is None:
+        return []
+    from deepspeed.module_inject.auto_tp import AutoTP
+
+    model_type = AutoTP._get_model_type(types.SimpleNamespace(module=model))
+    norm_params = {id(p) for m in shardnorm_modules(model) for p in m.parameters()}
+    marked = []
+    for name, param in model.named_parameters():
+        spec = config.find_matching_spec(name, model_type)
+        if id(param) in norm_params and spec is not None and spec.grad_allreduce:
+            marked.append(param)
+    return marked
+
+
+def _check_engine(engine) -> None:
+    """Raise unless grads stay in .grad until the boundary backward ends (see the module docstring)."""
+    stage = engine.zero_optimization_stage()
+    if stage >= 2 or engine.zero_overlap_comm() or getattr(engine.optimizer, "use_grad_accum_attribute", False):
+        raise ShardnormConfigError(
+            "shardnorm.grad_reduce",
+            f'"step" under AutoTP needs ZeRO stage 0 or 1 with overlap_comm off and grads accumulated in the '
+            f"parameter dtype (got stage {stage}, overlap_comm {engine.zero_overlap_comm()}): ZeRO reduces each "
+            'grad during backward there, before shardnorm could. Set "grad_reduce": "deepspeed" to keep '
+            "DeepSpeed's per-parameter all-reduce.")
+
+
+class TPNormGradReducer:
+    """Sums the marked norm grads over the tensor-parallel group: fp32 buckets, once per optimizer step."""
+
+    def __init__(self, params: list, bucket_numel: int):
+        self.params = params
+        self.bucket_numel = bucket_numel
+        self.engine = None
+        self.group = None
+        self._queued = False
+
+    def claim(self) -> None:
+        """Before `deepspeed.initialize`: set the flag that makes AutoTP skip its per-parameter hook."""
+        for p in self.params:
+            setattr(p, _DS_FLAG, True)
+
+    def attach(self, engine) -> None:
+        """Start owning the reduction for `engine` (the one `deepspeed.initialize` returned)."""
+        _check_engine(engine)
+        from deepspeed.utils import groups
+
+        self.engine = engine
+        self.group = groups.get_tensor_model_parallel_group()
+        for p in self.params:
+            p.register_hook(self._on_grad)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        if not self._queued and self.engine.is_gradient_accumulation_boundary():
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def buckets(self) -> list:
+        """The marked params cut into runs of at most bucket_numel elements (a larger param is its own bucket)."""
+        out, run, size = [], [], 0
+        for p in self.params:
+            if run and size + p.numel() > self.bucket_numel:
+                out.append(run)
+                run, size = [], 0
+            run.append(p)
+            size += p.numel()
+        return out + [run] if run else out
+
+    def _reduce(self) -> None:
+        """Runs when the boundary backward has accumulated every grad, before DeepSpeed reads them."""
+        self._queued = False
+        for bucket in self.buckets():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                              for p in bucket])
+            dist.all_reduce(flat, group=self.group)
+            for p, reduced in zip(bucket, flat.split([p.numel() for p in bucket])):
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(reduced.view_as(p))
+
+
+def own_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: ShardnormSection):
+    """A TPNormGradReducer for the marked norm params, or None when there are none or the config opts out."""
+    if section.grad_reduce != "step":
+        return None
+    params = marked_norm_params(model, ds_config)
+    return TPNormGradReducer(params, section.bucket_numel) if params else None

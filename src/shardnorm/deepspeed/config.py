@@ -1,0 +1,121 @@
+"""The "shardnorm" section of a DeepSpeed config, validated by shardnorm.
+
+DeepSpeed ignores unknown top-level sections, so nobody else checks this one: every key is
+checked here, and every error names the key (``shardnorm.<key>``) it is about.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Tuple
+
+SECTION = "shardnorm"
+GRAD_REDUCE_CHOICES = ("step", "deepspeed")
+
+
+class ShardnormConfigError(ValueError):
+    """A bad value in the "shardnorm" section; the message starts with the key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class ShardnormSection:
+    """Validated "shardnorm" section.
+
+    enabled: convert the model's norms (false: leave the model untouched).
+    replace: class names of the norm modules to convert ("*RMSNorm" matches a suffix, e.g.
+        LlamaRMSNorm); None converts every kind that `shardnorm.convert` knows.
+    zero_centered_gamma: store the scale as (weight - 1), as Gemma/Megatron do.
+    grad_reduce: who all-reduces the gradients of norm weights that DeepSpeed AutoTP marks as
+        replicated-with-grad-all-reduce (q/k norms over tensor-parallel heads): "step" = shardnorm,
+        coalesced into fp32 buckets, once per optimizer step; "deepspeed" = DeepSpeed's own hook,
+        one all-reduce per parameter per micro-batch.
+    bucket_size_mb: size of one such fp32 bucket.
+    """
+
+    enabled: bool = True
+    replace: Optional[Tuple[str, ...]] = None
+    zero_centered_gamma: bool = False
+    grad_reduce: str = "step"
+    bucket_size_mb: float = 25.0
+
+    @property
+    def bucket_numel(self) -> int:
+        return max(1, int(self.bucket_size_mb * 2**20) // 4)
+
+
+def _key(name: str) -> str:
+    return f"{SECTION}.{name}"
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ShardnormConfigError(_key(name), f"expected true or false, got {value!r}")
+    return value
+
+
+def _replace(value: Any) -> Optional[Tuple[str, ...]]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ShardnormConfigError(_key("replace"), f"expected a non-empty list of class names, got {value!r}")
+    for i, name in enumerate(value):
+        if not isinstance(name, str) or not name.removeprefix("*").isidentifier():
+            raise ShardnormConfigError(f"{_key('replace')}[{i}]",
+                                       f'expected a class name or "*" + a name suffix, got {name!r}')
+    if len(set(value)) != len(value):
+        raise ShardnormConfigError(_key("replace"), f"lists a class name twice: {list(value)!r}")
+    return tuple(value)
+
+
+def _grad_reduce(value: Any) -> str:
+    if value not in GRAD_REDUCE_CHOICES:
+        raise ShardnormConfigError(_key("grad_reduce"), f"expected one of {list(GRAD_REDUCE_CHOICES)}, got {value!r}")
+    return value
+
+
+def _bucket_size_mb(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ShardnormConfigError(_key("bucket_size_mb"), f"expected a finite number > 0, got {value!r}")
+    return float(value)
+
+
+_PARSERS = {
+    "enabled": lambda v: _bool("enabled", v),
+    "replace": _replace,
+    "zero_centered_gamma": lambda v: _bool("zero_centered_gamma", v),
+    "grad_reduce": _grad_reduce,
+    "bucket_size_mb": _bucket_size_mb,
+}
+
+
+def parse_section(section: Any) -> ShardnormSection:
+    """Validate a "shardnorm" section (a mapping) into a ShardnormSection."""
+    if not isinstance(section, Mapping):
+        raise ShardnormConfigError(SECTION, f"expected an object of settings, got {section!r}")
+    for name in section:
+        if name not in _PARSERS:
+            raise ShardnormConfigError(_key(str(name)), f"unknown key; known keys: {sorted(_PARSERS)}")
+    return ShardnormSection(**{name: _PARSERS[name](value) for name, value in section.items()})
+
+
+def load_config(config: Any) -> dict:
+    """A DeepSpeed config as a dict: given as a dict, or as a path to a JSON file."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        with open(config) as f:
+            return json.load(f)
+    raise ShardnormConfigError("config", f"expected a dict or the path of a JSON file, got {config!r}")
+
+
+def read_section(config: Any) -> Optional[ShardnormSection]:
+    """The validated section of a DeepSpeed config; None when it is absent or disabled."""
+    section = load_config(config).get(SECTION)
+    if section is None:
+        return None
+    parsed = parse_section(section)
+    return parsed if parsed.enabled else None

@@ -1,0 +1,60 @@
+"""`initialize` and `apply`: the two ways into DeepSpeed with a "shardnorm" config section."""
+
+from typing import Any
+
+import torch
+
+from .autotp import own_marked_norm_grads
+from .config import ShardnormConfigError, load_config, read_section
+from .conversion import convert_norms
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError("shardnorm.deepspeed.initialize needs DeepSpeed: pip install 'shardnorm[deepspeed]'") from e
+    return deepspeed
+
+
+def apply(model: torch.nn.Module, config: Any) -> torch.nn.Module:
+    """Convert `model`'s norms as the config's "shardnorm" section asks; returns the model.
+
+    For code that calls `deepspeed.initialize` itself (Hugging Face Trainer, Accelerate). Under
+    ZeRO 1/2/3 and Ulysses nothing else is needed: DeepSpeed reduces norm grads like any other. The
+    one thing `apply` cannot do is own AutoTP's q/k-norm all-reduces (that needs the engine), so
+    there it asks for `shardnorm.deepspeed.initialize` or `"grad_reduce": "deepspeed"`.
+    """
+    ds_config = load_config(config)
+    section = read_section(ds_config)
+    if section is None:
+        return model
+    model, _ = convert_norms(model, section)
+    if own_marked_norm_grads(model, ds_config, section) is not None:
+        raise ShardnormConfigError(
+            "shardnorm.grad_reduce", '"step" under AutoTP needs shardnorm.deepspeed.initialize (it hooks the '
+            'engine); with apply() set "grad_reduce": "deepspeed" to keep DeepSpeed\'s per-parameter all-reduce')
+    return model
+
+
+def initialize(model: torch.nn.Module = None, config: Any = None, **kwargs):
+    """`deepspeed.initialize` with the "shardnorm" section applied first; returns what it returns.
+
+    Every other argument goes to `deepspeed.initialize` unchanged (an optimizer or
+    `model_parameters` built before the call still holds the same Parameters: conversion keeps them).
+    """
+    deepspeed = _import_deepspeed()
+    if model is None or config is None:
+        raise TypeError("shardnorm.deepspeed.initialize needs model= and config=")
+    ds_config = load_config(config)
+    section = read_section(ds_config)
+    reducer = None
+    if section is not None:
+        model, _ = convert_norms(model, section)
+        reducer = own_marked_norm_grads(model, ds_config, section)
+    if reducer is not None:
+        reducer.claim()
+    result = deepspeed.initialize(model=model, config=config, **kwargs)
+    if reducer is not None:
+        reducer.attach(result[0])
+    return result
