@@ -1,0 +1,98 @@
+"""Functional API with torch.nn.functional semantics: validation, flattening to [M, N], dispatch.
+
+`layer_norm` / `rms_norm` mirror `torch.nn.functional.layer_norm` / `rms_norm`; `add_layer_norm` /
+`add_rms_norm` fuse the prenorm residual add and return `(norm(x + residual), x + residual)`.
+`zero_centered_gamma=True` scales by `1 + weight` (Gemma, Megatron's `apply_layernorm_1p`).
+The output has x's dtype; the weight may be fp32 while x is bf16/fp16 (mixed precision).
+DTensor inputs are handed to `shardnorm.distributed.dtensor`, which runs the same op on local shards.
+"""
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ShapeLike = Union[int, Sequence[int], torch.Size]
+
+
+def _is_dtensor(t: Optional[Tensor]) -> bool:
+    return t is not None and type(t).__name__ == "DTensor"
+
+
+def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if len(shape) == 0 or any(d <= 0 for d in shape):
+        raise ValueError(f"normalized_shape must be a non-empty shape of positive sizes, got {list(shape)}")
+    if x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
+        raise ValueError(f"normalized_shape {list(shape)} does not match the trailing dims of x "
+                         f"(shape {list(x.shape)})")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+        if residual.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"residual must be float32, bfloat16 or float16, got {residual.dtype}")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name} must have shape normalized_shape {list(shape)}, got {list(p.shape)}")
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {p.dtype}")
+        if p.device != x.device:
+            raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
+    if not eps >= 0:  # also rejects NaN
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """[..., N] as [M, N] with a contiguous last dim (a view where strides allow)."""
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
+
+
+def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool, zero_centered: bool):
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if _is_dtensor(x):
+        from .distributed.dtensor import norm_dtensor
+
+        return norm_dtensor(x, weight, bias, residual, eps if eps is not None else torch.finfo(x.dtype).eps,
+                            rms, zero_centered)
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    _check(x, residual, shape, weight, bias, eps)
+    n = math.prod(shape)
+    y, z = ops.norm(_rows(x, n), weight.reshape(n) if weight is not None else None,
+                    bias.reshape(n) if bias is not None else None,
+                    _rows(residual, n) if residual is not None else None, eps, rms, zero_centered)
+    return y.view(x.shape), (z.view(x.shape) if z is not None else None)
+
+
+def layer_norm(x: Tensor, normalized_shape: ShapeLike, weight: Optional[Tensor] = None,
+               bias: Optional[Tensor] = None, eps: float = 1e-5, *, zero_centered_gamma: bool = False) -> Tensor:
+    return _norm(x, None, normalized_shape, weight, bias, eps, False, zero_centered_gamma)[0]
+
+
+def rms_norm(x: Tensor, normalized_shape: ShapeLike, weight: Optional[Tensor] = None,
+             eps: Optional[float] = None, *, zero_centered_gamma: bool = False) -> Tensor:
+    return _norm(x, None, normalized_shape, weight, None, eps, True, zero_centered_gamma)[0]
+
+
+def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: ShapeLike, weight: Optional[Tensor] = None,
+                   bias: Optional[Tensor] = None, eps: float = 1e-5, *,
+                   zero_centered_gamma: bool = False) -> tuple[Tensor, Tensor]:
+    """(layer_norm(x + residual), x + residual), one fused pass; x + residual has torch's promoted dtype."""
+    return _norm(x, residual, normalized_shape, weight, bias, eps, False, zero_centered_gamma)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: ShapeLike, weight: Optional[Tensor] = None,
+                 eps: Optional[float] = None, *, zero_centered_gamma: bool = False) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual), one fused pass; x + residual has torch's promoted dtype."""
+    return _norm(x, residual, normalized_shape, weight, None, eps, True, zero_centered_gamma)

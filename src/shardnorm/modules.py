@@ -1,0 +1,54 @@
+"""Drop-in `LayerNorm` / `RMSNorm` modules.
+
+They subclass `torch.nn.LayerNorm` / `torch.nn.RMSNorm`, so constructor arguments, attributes,
+`extra_repr`, `reset_parameters` and state_dict keys are torch's own and `load_state_dict` works both
+ways (and `isinstance(m, torch.nn.LayerNorm)` stays true for code that looks for norms). Added:
+`zero_centered_gamma` (scale = 1 + weight; weight then initializes to zeros) and an optional
+`residual` argument to `forward` that fuses the prenorm residual add and returns `(y, x + residual)`.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+
+
+class _ZeroCenteredGamma:
+    """Mixin: the `zero_centered_gamma` option shared by both norms."""
+
+    zero_centered_gamma: bool = False
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.zero_centered_gamma and self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def extra_repr(self) -> str:
+        extra = ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        return super().extra_repr() + extra
+
+
+class LayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None, *, zero_centered_gamma: bool = False) -> None:
+        self.zero_centered_gamma = zero_centered_gamma  # read by reset_parameters inside super().__init__
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        y, z = F._norm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps, False,
+                       self.zero_centered_gamma)
+        return y if residual is None else (y, z)
+
+
+class RMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
+    def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
+                 device=None, dtype=None, *, zero_centered_gamma: bool = False) -> None:
+        self.zero_centered_gamma = zero_centered_gamma
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        y, z = F._norm(x, residual, self.normalized_shape, self.weight, None, self.eps, True,
+                       self.zero_centered_gamma)
+        return y if residual is None else (y, z)

@@ -1,0 +1,90 @@
+"""torch.library custom ops over the kernels, with fake impls and autograd, so torch.compile traces
+them without graph breaks.
+
+`shardnorm::norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
+`shardnorm::norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)`
+work on 2-D [M, N] tensors whose last dim is contiguous. Absent outputs (z without a residual, mean
+for RMSNorm, dw/db without weight/bias) are empty tensors. dw/db are fp32 (the fixed-order reduction
+of the kernel's fp32 partial sums); autograd casts them to the parameters' dtype.
+
+Backend: CUDA tensors run the Triton kernels, others the torch reference; SHARDNORM_BACKEND=triton or
+=torch forces one (Triton on CPU tensors needs TRITON_INTERPRET=1).
+"""
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+BACKENDS = ("triton", "torch")
+
+
+def _backend(x: Tensor):
+    name = os.environ.get("SHARDNORM_BACKEND") or ("triton" if x.is_cuda else "torch")
+    if name == "torch":
+        return reference
+    if name == "triton":
+        from . import kernels  # imported lazily: importing triton is slow and CPU runs don't need it
+
+        return kernels
+    raise ValueError(f"SHARDNORM_BACKEND must be one of {BACKENDS}, got {name!r}")
+
+
+@torch.library.custom_op("shardnorm::norm_fwd", mutates_args=())
+def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+             eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _backend(x).norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+
+
+@norm_fwd.register_fake
+def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
+    M, N = x.shape
+    z = x.new_empty((M, N), dtype=torch.result_type(x, residual)) if residual is not None else x.new_empty(0)
+    stats = lambda rows: x.new_empty(rows, dtype=torch.float32)  # noqa: E731
+    return x.new_empty((M, N)), z, stats(0 if rms else M), stats(M)
+
+
+@torch.library.custom_op("shardnorm::norm_bwd", mutates_args=())
+def norm_bwd(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Tensor], mean: Tensor,
+             rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dy = dy.contiguous() if dy.stride(-1) != 1 else dy
+    dz = dz.contiguous() if dz is not None and dz.stride(-1) != 1 else dz
+    return _backend(src).norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+
+
+@norm_bwd.register_fake
+def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
+    N = src.shape[1]
+    grad = lambda present: src.new_empty(N if present else 0, dtype=torch.float32)  # noqa: E731
+    return src.new_empty(src.shape), grad(weight is not None), grad(has_bias)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, eps, rms, zero_centered = inputs
+    _, z, mean, rstd = output
+    ctx.save_for_backward(z if residual is not None else x, weight, mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.has_residual = residual is not None
+    ctx.rms = rms
+    ctx.zero_centered = zero_centered
+
+
+def _backward(ctx, dy, dz, _dmean, _drstd):
+    src, weight, mean, rstd = ctx.saved_tensors
+    dz = dz if ctx.has_residual else None
+    dx, dweight, dbias = norm_bwd(dy, dz, src, weight, mean, rstd, ctx.has_bias, ctx.rms, ctx.zero_centered)
+    return (dx, dweight if weight is not None else None, dbias if ctx.has_bias else None,
+            dx if ctx.has_residual else None, None, None, None)
+
+
+torch.library.register_autograd("shardnorm::norm_fwd", _backward, setup_context=_setup_context)
+
+
+def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+         eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
+    y, z, _, _ = norm_fwd(x, weight, bias, residual, float(eps), rms, zero_centered)
+    return y, (z if residual is not None else None)

@@ -1,0 +1,54 @@
+"""The same math as the Triton kernels in plain torch (fp32): the CPU backend.
+
+Same signatures and outputs as `kernels.norm_fwd` / `kernels.norm_bwd`, so `ops` can pick either.
+"""
+
+import torch
+
+
+def _xhat(src, mean, rstd, rms: bool):
+    x = src.float()
+    return x * rstd[:, None] if rms else (x - mean[:, None]) * rstd[:, None]
+
+
+def _scale(weight, zero_centered: bool):
+    w = weight.float()
+    return w + 1.0 if zero_centered else w
+
+
+def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
+    if residual is not None:
+        z = x + residual
+        src = z
+    else:
+        z, src = x.new_empty(0), x
+    xf = src.float()
+    if rms:
+        mean = xf.new_empty(0)
+        var = xf.square().mean(-1)
+    else:
+        mean = xf.mean(-1)
+        var = (xf - mean[:, None]).square().mean(-1)
+    rstd = torch.rsqrt(var + eps)
+    y = _xhat(src, mean, rstd, rms)
+    if weight is not None:
+        y = y * _scale(weight, zero_centered)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), z, mean, rstd
+
+
+def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
+    xhat = _xhat(src, mean, rstd, rms)
+    dyf = dy.float()
+    wdy = dyf * _scale(weight, zero_centered) if weight is not None else dyf
+    n = src.shape[-1]
+    dx = wdy - xhat * ((xhat * wdy).sum(-1, keepdim=True) / n)
+    if not rms:
+        dx = dx - wdy.sum(-1, keepdim=True) / n
+    dx = dx * rstd[:, None]
+    if dz is not None:
+        dx = dx + dz.float()
+    dweight = (dyf * xhat).sum(0) if weight is not None else dyf.new_empty(0)
+    dbias = dyf.sum(0) if has_bias else dyf.new_empty(0)
+    return dx.to(src.dtype), dweight, dbias

@@ -1,0 +1,55 @@
+"""Shared test setup: backends, devices, the float64 reference and error metric.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (set here, before
+triton is first imported), so CI proves the kernels and not only the torch path.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BACKENDS = ("triton", "torch")
+
+
+def backend_device(backend: str) -> torch.device:
+    """Triton runs on the GPU where there is one, else interpreted on CPU; torch runs on CPU."""
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("SHARDNORM_BACKEND", request.param)
+    return request.param
+
+
+@pytest.fixture
+def device(backend):
+    return backend_device(backend)
+
+
+def reference_norm(x, weight, bias, residual, eps, rms, zero_centered=False):
+    """float64 norm of x (or of x + residual, added in torch's promoted dtype first, as the op does)."""
+    src = (x + residual) if residual is not None else x
+    xd = src.double()
+    if rms:
+        y = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps)
+    else:
+        y = (xd - xd.mean(-1, keepdim=True)) * torch.rsqrt(xd.var(-1, unbiased=False, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.double() + 1 if zero_centered else weight.double())
+    if bias is not None:
+        y = y + bias.double()
+    return y
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64; NaN anywhere makes it inf."""
+    diff = (actual.double().cpu() - expected.double().cpu()).norm().item()
+    scale = expected.double().norm().item()
+    if diff != diff:
+        return float("inf")
+    return diff / scale if scale > 0 else diff

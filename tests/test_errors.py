@@ -1,0 +1,50 @@
+"""Bad input gets a clear error naming the argument, never a silent wrong result."""
+
+import pytest
+import torch
+
+import shardnorm
+
+
+def test_normalized_shape_mismatch():
+    with pytest.raises(ValueError, match="normalized_shape"):
+        shardnorm.layer_norm(torch.randn(2, 8), (7,))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        shardnorm.rms_norm(torch.randn(8), (2, 8))
+
+
+def test_weight_and_bias_shape():
+    with pytest.raises(ValueError, match="weight must have shape"):
+        shardnorm.layer_norm(torch.randn(2, 8), 8, torch.ones(7))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        shardnorm.layer_norm(torch.randn(2, 8), 8, torch.ones(8), torch.ones(9))
+
+
+def test_residual_shape():
+    with pytest.raises(ValueError, match="residual must have"):
+        shardnorm.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), 8)
+
+
+def test_device_mismatch():
+    with pytest.raises(ValueError, match="weight is on meta"):
+        shardnorm.rms_norm(torch.randn(2, 8), 8, torch.ones(8, device="meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_integer_dtype(dtype):
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        shardnorm.layer_norm(torch.ones(2, 8, dtype=dtype), 8)
+    with pytest.raises(TypeError, match="weight must be"):
+        shardnorm.layer_norm(torch.ones(2, 8), 8, torch.ones(8, dtype=dtype))
+
+
+@pytest.mark.parametrize("eps", [-1e-5, float("nan")])
+def test_bad_eps(eps):
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        shardnorm.rms_norm(torch.randn(2, 8), 8, eps=eps)
+
+
+def test_unknown_backend(monkeypatch):
+    monkeypatch.setenv("SHARDNORM_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="SHARDNORM_BACKEND"):
+        shardnorm.rms_norm(torch.randn(2, 8), 8)

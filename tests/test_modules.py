@@ -1,0 +1,122 @@
+"""Drop-in modules: torch.nn compatibility, convert(), torch.compile."""
+
+import pytest
+import torch
+
+import shardnorm
+from conftest import rel_err
+
+PAIRS = [
+    (torch.nn.LayerNorm, shardnorm.LayerNorm, dict()),
+    (torch.nn.LayerNorm, shardnorm.LayerNorm, dict(bias=False)),
+    (torch.nn.LayerNorm, shardnorm.LayerNorm, dict(elementwise_affine=False)),
+    (torch.nn.RMSNorm, shardnorm.RMSNorm, dict()),
+    (torch.nn.RMSNorm, shardnorm.RMSNorm, dict(eps=1e-5, elementwise_affine=False)),
+]
+
+
+@pytest.mark.parametrize("torch_cls,ours_cls,kw", PAIRS)
+def test_same_as_torch_nn(backend, device, torch_cls, ours_cls, kw):
+    shape = (3, 40)
+    theirs = torch_cls(shape, device=device, **kw)
+    ours = ours_cls(shape, device=device, **kw)
+    assert repr(ours).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    for name in ("normalized_shape", "eps", "elementwise_affine"):
+        assert getattr(ours, name) == getattr(theirs, name)
+    with torch.no_grad():  # random params, then load both ways
+        for p in theirs.parameters():
+            p.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(5, *shape, device=device)
+    assert rel_err(ours(x), theirs(x)) < 1e-5
+    theirs.load_state_dict({k: v + 1 for k, v in ours.state_dict().items()})
+    ours.load_state_dict(theirs.state_dict())
+    assert rel_err(ours(x), theirs(x)) < 1e-5
+
+
+def test_dtype_and_device_arguments():
+    m = shardnorm.RMSNorm(16, dtype=torch.bfloat16, device="meta")
+    assert m.weight.dtype == torch.bfloat16 and m.weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("cls", [shardnorm.LayerNorm, shardnorm.RMSNorm])
+def test_zero_centered_gamma(backend, device, cls):
+    m = cls(64, zero_centered_gamma=True, device=device)
+    assert torch.equal(m.weight, torch.zeros_like(m.weight)) and "zero_centered_gamma=True" in repr(m)
+    with torch.no_grad():
+        m.weight.normal_()
+    plain = cls(64, device=device)
+    plain.load_state_dict({k: v + 1 if k == "weight" else v for k, v in m.state_dict().items()})
+    x = torch.randn(4, 64, device=device)
+    assert rel_err(m(x), plain(x)) < 1e-5
+
+
+def test_module_residual_forward(backend, device):
+    m = shardnorm.RMSNorm(32, device=device)
+    with torch.no_grad():
+        m.weight.normal_()
+    x, r = torch.randn(2, 3, 32, device=device), torch.randn(2, 3, 32, device=device)
+    y, z = m(x, residual=r)
+    assert rel_err(z, x + r) < 1e-6 and rel_err(y, m(x + r)) < 1e-6
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """The Hugging Face shape of an RMSNorm (a stand-in for the class transformers defines)."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + self.variance_epsilon)).to(x.dtype)
+
+
+def test_convert_keeps_parameters_and_outputs():
+    model = torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.LayerNorm(24),
+                                torch.nn.Sequential(torch.nn.RMSNorm(24, eps=1e-5), LlamaRMSNorm(24, 1e-4)),
+                                torch.nn.LayerNorm(24, bias=False))
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    params = {n: p for n, p in model.named_parameters()}
+    x = torch.randn(3, 24)
+    before = model(x)
+    model, count = shardnorm.convert(model)
+    assert count == 4
+    assert [type(m).__name__ for m in (model[1], model[2][0], model[2][1], model[3])] == \
+        ["LayerNorm", "RMSNorm", "RMSNorm", "LayerNorm"]
+    assert isinstance(model[2][1], shardnorm.RMSNorm) and model[2][1].eps == 1e-4
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert rel_err(model(x), before) < 1e-5
+    assert shardnorm.convert(model)[1] == 0  # idempotent
+    only_ln, count = shardnorm.convert(torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.RMSNorm(4)),
+                                       classes=["LayerNorm"])
+    assert count == 1 and type(only_ln[1]) is torch.nn.RMSNorm
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = shardnorm.RMSNorm(32)
+            self.ln = shardnorm.LayerNorm(32)
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, x, residual):
+            h, residual = self.norm(x, residual)
+            return self.ln(self.proj(h)) + residual
+
+    model = Block()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    x, r = torch.randn(4, 32, requires_grad=True), torch.randn(4, 32)
+    eager = model(x, r)
+    (eager_dx,) = torch.autograd.grad(eager.square().sum(), x)
+    compiled = torch.compile(model, fullgraph=True)(x, r)
+    (compiled_dx,) = torch.autograd.grad(compiled.square().sum(), x)
+    assert rel_err(compiled, eager) < 1e-6 and rel_err(compiled_dx, eager_dx) < 1e-6
