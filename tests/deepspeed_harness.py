@@ -1,0 +1,117 @@
+"""Shared pieces of the DeepSpeed tests: device/backend choice, configs, models, a plain-torch reference.
+
+Device: CPU with gloo (DS_ACCELERATOR=cpu) by default; CUDA with NCCL when at least 2 GPUs are
+visible, or as forced by SHARDNORM_TEST_DEVICE=cpu|cuda. `tests/multiprocess.spawn` starts gloo;
+on CUDA `use_test_device` re-creates the default group with NCCL, each rank on its local GPU.
+"""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEVICE = os.environ.get("SHARDNORM_TEST_DEVICE") or ("cuda" if torch.cuda.device_count() >= 2 else "cpu")
+if DEVICE == "cpu":
+    os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+HIDDEN = 16
+
+
+def load_config(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+def use_test_device(rank: int) -> torch.device:
+    """Inside a spawned rank: the device to train on (NCCL replaces spawn's gloo group on CUDA)."""
+    if DEVICE == "cpu":
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)  # a fresh store for the new group
+    world_size = dist.get_world_size()
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    return torch.device("cuda", rank)
+
+
+class LlamaRMSNorm(nn.Module):
+    """A Hugging Face style RMSNorm (weight + variance_epsilon), as Llama defines it."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+
+class PrenormBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = LlamaRMSNorm(hidden)
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+def norm_model(seed: int) -> nn.Module:
+    """Linear + every kind of norm shardnorm converts (4 norms), with non-trivial norm weights."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, HIDDEN), nn.LayerNorm(HIDDEN), PrenormBlock(HIDDEN), PrenormBlock(HIDDEN),
+                          nn.RMSNorm(HIDDEN), nn.Linear(HIDDEN, 1))
+    with torch.no_grad():
+        for m in model.modules():
+            if not isinstance(m, nn.Linear):
+                for p in m.parameters(recurse=False):
+                    p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def micro_batches(seed: int, steps: int, gas: int, world: int, rows: int, shape: tuple) -> list:
+    """[step][micro][rank] -> (x, target): the same fresh random data on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [[[(torch.randn(rows, *shape, generator=g), torch.randn(rows, *shape[:-1], 1, generator=g))
+              for _ in range(world)] for _ in range(gas)] for _ in range(steps)]
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).pow(2).mean()
+
+
+def train_reference(model: nn.Module, ds_config: dict, batches: list, device, cat_dim: int = 0) -> tuple:
+    """Train a copy of `model` with plain torch as DeepSpeed would: average over ranks (concatenated
+    along cat_dim) and micro-batches, clip, torch AdamW. Returns (model, [loss per micro-batch])."""
+    model = copy.deepcopy(model).to(device)
+    params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k != "torch_adam"}
+    opt = torch.optim.AdamW(model.parameters(), **params)
+    losses = []
+    for step in batches:
+        for micro in step:
+            x = torch.cat([x for x, _ in micro], cat_dim).to(device)
+            target = torch.cat([t for _, t in micro], cat_dim).to(device)
+            loss = loss_fn(model(x), target)
+            (loss / len(step)).backward()
+            losses.append(loss.item())
+        if ds_config.get("gradient_clipping", 0) > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), ds_config["gradient_clipping"])
+        opt.step()
+        opt.zero_grad()
+    return model, losses
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    diff = (actual.detach().double().cpu() - expected.detach().double().cpu()).norm().item()
+    return diff / max(expected.detach().double().norm().item(), 1e-30)
+
+
+def mean_over_ranks(value: float, device, group=None) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
