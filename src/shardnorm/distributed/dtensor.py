@@ -1,0 +1,55 @@
+"""shardnorm's LayerNorm/RMSNorm for DTensor inputs.
+
+Token-sharded input (Shard(0), Shard(1)): the fused kernel runs on the local rows; the output keeps x's
+placements; weight/bias grads are partial sums over the token ranks and go to the model's reducer (or,
+without one, come back as `Partial` DTensor grads). Hidden-sharded input (Shard(-1)): statistics come from
+a cross-rank all-reduce of per-row sums. In no case is the activation gathered.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor, Partial
+
+from shardnorm import ops
+from shardnorm.distributed.grad_routing import route_to_reducer
+from shardnorm.distributed.hidden_sharded import HiddenShardedNorm
+from shardnorm.distributed.layout import NormLayout, global_normalized_numel, norm_layout
+
+
+def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
+    """Normalize DTensor `x` (plus `residual`) over its trailing dims; returns (y, x + residual or None)."""
+    layout = norm_layout(x, weight, bias, residual)
+    w, b = _local_params(weight, bias, layout)
+    x_local = x.to_local()
+    x2d = _rows(x_local, layout)
+    r2d = _rows(residual.to_local(), layout) if residual is not None else None
+    if layout.hidden_mesh_dim is None:
+        y, z = ops.norm(x2d, w, b, r2d, eps, rms, zero_centered)
+    else:
+        z = x2d + r2d if r2d is not None else None
+        group = layout.mesh.get_group(layout.hidden_mesh_dim)
+        y = HiddenShardedNorm.apply(x2d if z is None else z, w, b, eps, rms, zero_centered, group,
+                                    global_normalized_numel(x, layout))
+
+    def as_dtensor(t):
+        return DTensor.from_local(t.view(x_local.shape), layout.mesh, x.placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())
+
+    return as_dtensor(y), (as_dtensor(z) if z is not None else None)
+
+
+def _rows(t: torch.Tensor, layout: NormLayout) -> torch.Tensor:
+    """[M, N_local] view (or copy) of a local shard, last dim contiguous as the op requires."""
+    t2d = t.reshape(-1, t.shape[t.dim() - layout.normalized_ndim:].numel())
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def _local_params(weight, bias, layout: NormLayout):
+    """This rank's weight/bias. Their grads are partial sums over the token mesh dims: routed to the
+    reducer when one is bound (single token mesh dim), else returned to autograd as `Partial`."""
+    grad_placements = tuple(Partial() if d in layout.token_mesh_dims else p
+                            for d, p in enumerate(layout.param_placements))
+    local = tuple(p.to_local(grad_placements=grad_placements) if isinstance(p, DTensor) else p
+                  for p in (weight, bias))
+    if len(layout.token_mesh_dims) != 1:
+        return local
+    return route_to_reducer((weight, bias), local, layout.mesh.get_group(layout.token_mesh_dims[0]))

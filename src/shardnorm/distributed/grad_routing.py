@@ -1,0 +1,47 @@
+"""Hand a norm's fp32 weight/bias grads to the reducer instead of autograd.
+
+The norm op stays pure: it computes fp32 dgamma/dbeta for the rows it sees. Applied to the weight/bias
+before the op, `_RouteToReducer` gives the op fp32 copies (so the op's grads stay fp32) and, in backward,
+adds those grads into the reducer bound to the parameters and returns None: autograd never touches
+`.grad`, and nothing reduces except the reducer.
+"""
+
+import torch
+
+from shardnorm.distributed.reducer import bound_reducer
+
+
+class _RouteToReducer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, reducer, params, group, *local):
+        ctx.reducer, ctx.params, ctx.group = reducer, params, group
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) if t.dtype == torch.float32 else t.float() for t in local)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        arrived = [(p, g) for p, g in zip(ctx.params, grads) if g is not None]
+        if arrived:
+            ctx.reducer.add([p for p, _ in arrived], [g for _, g in arrived], ctx.group)
+        return (None, None, None) + (None,) * len(grads)
+
+
+def route_to_reducer(params: tuple, local: tuple, group) -> tuple:
+    """`local` (the ranks' copies of `params`), with grads routed to the params' reducer if one is bound.
+
+    Only parameters that will get a grad and are bound to a reducer are routed; the rest pass through.
+    """
+    if not torch.is_grad_enabled():
+        return local
+    routed = [i for i, p in enumerate(params) if p is not None and p.requires_grad and bound_reducer(p)]
+    reducers = {id(bound_reducer(params[i])) for i in routed}
+    if not routed:
+        return local
+    if len(reducers) > 1:
+        raise ValueError("shardnorm: a norm's weight and bias are bound to two different reducers")
+    out = _RouteToReducer.apply(bound_reducer(params[routed[0]]), [params[i] for i in routed], group,
+                                *[local[i] for i in routed])
+    local = list(local)
+    for i, t in zip(routed, out):
+        local[i] = t
+    return tuple(local)

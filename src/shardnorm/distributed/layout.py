@@ -1,0 +1,93 @@
+"""Where a norm's input lives on a DeviceMesh, and what that implies for its statistics and grads.
+
+A norm normalizes over its trailing dims. Every mesh dim of the input is one of:
+- a *token* dim (``Shard`` of a leading dim, e.g. ``Shard(0)`` batch, ``Shard(1)`` sequence): each rank
+  normalizes its own rows, and the weight/bias grads are partial sums over those ranks;
+- the *hidden* dim (``Shard`` of a normalized dim, e.g. ``Shard(-1)``): statistics need a cross-rank
+  all-reduce of per-row partial sums, and weight/bias are sharded to match;
+- ``Replicate``: nothing to do.
+Anything else (``Partial``, strided shards) is rejected by name.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class NormLayout:
+    mesh: DeviceMesh
+    normalized_ndim: int
+    token_mesh_dims: tuple[int, ...]  # weight/bias grads are partial sums over these mesh dims
+    hidden_mesh_dim: int | None  # statistics are all-reduced over this mesh dim
+    param_placements: tuple[Placement, ...]  # what weight/bias must be on the mesh
+
+
+def norm_layout(x: DTensor, weight, bias, residual) -> NormLayout:
+    """Classify x's placements and check that weight, bias and residual agree with them."""
+    normalized_ndim = weight.dim() if weight is not None else (bias.dim() if bias is not None else 1)
+    first_normalized = x.dim() - normalized_ndim
+    token_dims, hidden_dims, param_placements = [], [], []
+    for mesh_dim, p in enumerate(x.placements):
+        if isinstance(p, Replicate):
+            param_placements.append(Replicate())
+        elif type(p) is Shard:
+            dim = p.dim % x.dim()
+            if dim < first_normalized:
+                token_dims.append(mesh_dim)
+                param_placements.append(Replicate())
+            else:
+                hidden_dims.append(mesh_dim)
+                param_placements.append(Shard(dim - first_normalized))
+        else:
+            raise NotImplementedError(
+                f"shardnorm: x has placement {p} on mesh dim {mesh_dim}; supported are Shard(d) and "
+                f"Replicate(). Redistribute x first (e.g. x.redistribute(placements=[Shard(1)]) for a "
+                f"Partial sum)."
+            )
+    if len(hidden_dims) > 1:
+        raise NotImplementedError(
+            f"shardnorm: x is sharded on its normalized dims over mesh dims {hidden_dims} "
+            f"(placements {tuple(x.placements)}); at most one mesh dim may shard the normalized dims."
+        )
+    layout = NormLayout(x.device_mesh, normalized_ndim, tuple(token_dims),
+                        hidden_dims[0] if hidden_dims else None, tuple(param_placements))
+    for name, p in (("weight", weight), ("bias", bias)):
+        _check_param(name, p, x, layout)
+    if residual is not None:
+        if not isinstance(residual, DTensor) or residual.device_mesh != x.device_mesh \
+                or tuple(residual.placements) != tuple(x.placements):
+            got = tuple(residual.placements) if isinstance(residual, DTensor) else "a plain torch.Tensor"
+            raise ValueError(f"shardnorm: residual must be a DTensor on x's mesh with x's placements "
+                             f"{tuple(x.placements)}, got {got}")
+    return layout
+
+
+def _check_param(name: str, p, x: DTensor, layout: NormLayout) -> None:
+    if p is None:
+        return
+    if isinstance(p, DTensor):
+        if p.device_mesh != layout.mesh:
+            raise ValueError(f"shardnorm: {name} lives on {p.device_mesh}, x on {layout.mesh}")
+        if tuple(p.placements) != layout.param_placements:
+            raise ValueError(
+                f"shardnorm: {name} has placements {tuple(p.placements)}, but x's placements "
+                f"{tuple(x.placements)} need {layout.param_placements} (Replicate where x shards tokens "
+                f"or is replicated, Shard matching x where x shards the normalized dims)"
+            )
+        return
+    # A plain tensor next to a DTensor input: only for Megatron-style params (replicated on every rank,
+    # marked `sequence_parallel` so that shardnorm's reducer or Megatron sums their grads), or frozen ones.
+    if layout.hidden_mesh_dim is not None or (p.requires_grad and not getattr(p, "sequence_parallel", False)):
+        raise ValueError(
+            f"shardnorm: {name} is a plain torch.Tensor but x is a DTensor with placements "
+            f"{tuple(x.placements)}; make {name} a DTensor with placements {layout.param_placements} "
+            f"(e.g. with shardnorm.distributed.SequenceParallelNorm) or use the process-group mode "
+            f"shardnorm.distributed.sequence_parallel_norm(module, group)"
+        )
+
+
+def global_normalized_numel(x: DTensor, layout: NormLayout) -> int:
+    return int(torch.Size(x.shape[x.dim() - layout.normalized_ndim:]).numel())

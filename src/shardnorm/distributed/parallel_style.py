@@ -1,0 +1,102 @@
+"""Sequence parallelism for shardnorm norms: a ParallelStyle for DTensor plans, a process-group mode for
+Megatron-style code.
+
+Both leave the activation sharded on the sequence dim, run the kernel on the local tokens, and mark
+weight/bias `sequence_parallel = True` (Megatron-Core's flag for "grads are partial over the tp group").
+Their reduction belongs to the model's reducer (`shardnorm.distributed.attach_reducer`,
+`shardnorm.accumulate`, `shardnorm.finalize_grads`) or, without one, to whoever reduces DTensor `Partial`
+grads or Megatron's `finalize_model_grads`: exactly one of them.
+"""
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class SequenceParallelNorm(ParallelStyle):
+    """Use where torch's `SequenceParallel` goes in a `parallelize_module` plan, on shardnorm norms.
+
+    Params become `Replicate` DTensors (broadcast from `src_data_rank`, so any init is fine). Inputs
+    `x` and `residual` become DTensors sharded on `sequence_dim` (plain tensors are taken as this rank's
+    shard; DTensors are redistributed if needed); outputs keep that sharding, as local tensors if
+    `use_local_output`.
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        super().__init__()
+        self.sequence_sharding = (Shard(sequence_dim),)
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError(f"shardnorm: SequenceParallelNorm needs a 1-D (tensor-parallel) mesh, got "
+                             f"{device_mesh.ndim}-D {device_mesh}; pass mesh['tp'] to parallelize_module")
+        self._prepare_params(module, device_mesh)
+        module.register_forward_pre_hook(partial(self._shard_inputs, device_mesh), with_kwargs=True)
+        module.register_forward_hook(self._prepare_outputs)
+        return module
+
+    def _prepare_params(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()],
+                                           src_data_rank=self.src_data_rank)
+            new = nn.Parameter(replicated, requires_grad=param.requires_grad)
+            new.sequence_parallel = True
+            module.register_parameter(name, new)
+
+    def _shard_inputs(self, device_mesh, module, args, kwargs):
+        x, *rest = args
+        if rest and rest[0] is not None:  # forward(x, residual)
+            rest[0] = self._shard(rest[0], device_mesh)
+        args = (self._shard(x, device_mesh), *rest)
+        if kwargs.get("residual") is not None:
+            kwargs = {**kwargs, "residual": self._shard(kwargs["residual"], device_mesh)}
+        return args, kwargs
+
+    def _shard(self, t, device_mesh: DeviceMesh) -> DTensor:
+        if isinstance(t, DTensor):
+            if tuple(t.placements) != self.sequence_sharding:
+                t = t.redistribute(placements=self.sequence_sharding)
+            return t
+        if isinstance(t, torch.Tensor):
+            return DTensor.from_local(t, device_mesh, self.sequence_sharding, run_check=False)
+        raise TypeError(f"shardnorm: SequenceParallelNorm expects tensor inputs, got {type(t).__name__}")
+
+    def _prepare_outputs(self, module, args, outputs):
+        if not self.use_local_output:
+            return outputs
+        if isinstance(outputs, tuple):
+            return tuple(o.to_local() for o in outputs)
+        return outputs.to_local()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "
+                f"use_local_output={self.use_local_output})")
+
+
+class _ProcessGroupSequenceParallelNorm(SequenceParallelNorm):
+    """Plain tensors in and out, plain (Megatron-style) params: only the params' flag changes."""
+
+    def _prepare_params(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param in module.parameters(recurse=False):
+            param.sequence_parallel = True
+
+
+def sequence_parallel_norm(module: nn.Module, group: dist.ProcessGroup, *, sequence_dim: int = 0) -> nn.Module:
+    """Megatron-style sequence parallelism for a shardnorm norm, without DTensors in user code.
+
+    `module` takes and returns this rank's sequence shard as plain tensors (Megatron's [s, b, h] layout by
+    default); its params stay plain tensors, replicated across `group`, marked `sequence_parallel = True`.
+    Their grads are local partial sums until the model's reducer (or Megatron's `finalize_model_grads`)
+    all-reduces them over `group`.
+    """
+    params = list(module.parameters(recurse=False))
+    device_type = params[0].device.type if params else ("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    mesh = DeviceMesh.from_group(group, device_type)
+    style = _ProcessGroupSequenceParallelNorm(sequence_dim=sequence_dim, use_local_output=True)
+    return style._apply(module, mesh)

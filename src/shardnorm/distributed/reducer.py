@@ -1,0 +1,217 @@
+"""Per-rank fp32 partial-sum buffer for norm weight/bias grads, reduced across the shard group once per step.
+
+With sequence parallelism each rank's dgamma/dbeta is a partial sum over its own tokens. Instead of
+letting every norm all-reduce its grads (per parameter, per micro-batch, in the param dtype), the norm's
+backward adds its fp32 partial into this reducer. The buffer keeps accumulating over micro-batches; in the
+last micro-batch's backward each bucket is all-reduced asynchronously as soon as its last contribution
+arrives, and at the end of that backward the reducer waits and writes `.grad` (param dtype and placement).
+
+Layout is learned: parameters are laid out in the order their grads first arrive (the backward order,
+so buckets fill front to back), one flat fp32 buffer per process group, cut into buckets of
+`bucket_cap_mb`. How many contributions a parameter gets per backward is learned too (1 for a norm used
+once); one that arrives after its bucket was launched is reduced on its own, so correctness never depends
+on the guess.
+"""
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+ReduceMode = Literal["bucketed", "per_layer"]
+_BOUND = "_shardnorm_reducer"
+
+
+class _Slot:
+    """One parameter's fp32 accumulator: a view into its bucket once laid out, a lone tensor before."""
+
+    __slots__ = ("param", "group", "data", "bucket", "expected", "count", "touched")
+
+    def __init__(self, param, group, numel: int, device):
+        self.param, self.group, self.bucket = param, group, None
+        self.data = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.expected, self.count, self.touched = 1, 0, False
+
+
+class _Bucket:
+    """A contiguous range of a flat buffer, reduced with one collective."""
+
+    __slots__ = ("group", "flat", "slots", "pending", "work", "dirty")
+
+    def __init__(self, group, flat: torch.Tensor, slots: list[_Slot]):
+        self.group, self.flat, self.slots = group, flat, slots
+        self.pending, self.work, self.dirty = 0, None, False
+
+
+class NormGradReducer:
+    """Owns the cross-rank reduction of norm weight/bias grads: each partial sum is reduced exactly once.
+
+    reduce="bucketed": one all-reduce per bucket per optimizer step, overlapped with the last backward.
+    reduce="per_layer": one all-reduce per norm call per micro-batch, issued as its grads arrive
+    (for debugging and comparison); grads still land in `.grad` only when the step's grads are final.
+    """
+
+    def __init__(self, *, bucket_cap_mb: float = 1.0, reduce: ReduceMode = "bucketed"):
+        if reduce not in ("bucketed", "per_layer"):
+            raise ValueError(f"shardnorm: reduce must be 'bucketed' or 'per_layer', got {reduce!r}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"shardnorm: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.reduce = reduce
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.accumulating = False  # set by shardnorm.accumulate(model): backward passes do not reduce
+        self.buckets: list[_Bucket] = []
+        self._slots: dict[int, _Slot] = {}  # id(param) -> slot; the slot keeps the param alive
+        self._staged: list[_Slot] = []  # seen but not yet laid out in a bucket
+        self._late: list[tuple[_Slot, torch.Tensor]] = []  # arrived after their bucket was launched
+        self._per_layer: list[tuple[object, torch.Tensor, list[_Slot]]] = []
+        self._in_backward = False
+        self._syncing = False
+
+    def bind(self, params) -> None:
+        """Make the norms route these parameters' grads here."""
+        for p in params:
+            setattr(p, _BOUND, self)
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether accumulated grads are waiting for the step's reduction."""
+        return bool(self._staged) or any(s.touched for s in self._slots.values())
+
+    # ---- called from the norms' backward -------------------------------------------------------------
+
+    def add(self, params: list, grads: list[torch.Tensor], group) -> None:
+        """Add one norm call's local fp32 weight/bias grads (partial sums over this rank's tokens)."""
+        if not self._in_backward:
+            self._begin_backward()
+        slots = [self._slot(p, g, group) for p, g in zip(params, grads)]
+        for s in slots:
+            s.count += 1
+        if self.reduce == "per_layer":
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._per_layer.append((dist.all_reduce(flat, group=group, async_op=True), flat, slots))
+            return
+        for s, g in zip(slots, grads):
+            bucket = s.bucket
+            s.touched = True
+            if bucket is not None and bucket.work is not None:
+                self._late.append((s, g.reshape(-1).clone()))
+                continue
+            s.data.add_(g.reshape(-1))
+            if bucket is not None:
+                bucket.dirty = True
+                bucket.pending -= 1
+                if self._syncing and bucket.pending <= 0:
+                    self._launch(bucket)
+
+    def _slot(self, param, grad: torch.Tensor, group) -> _Slot:
+        slot = self._slots.get(id(param))
+        if slot is None:
+            slot = self._slots[id(param)] = _Slot(param, group, grad.numel(), grad.device)
+            self._staged.append(slot)
+        elif slot.group is not group:
+            raise ValueError(f"shardnorm: a norm parameter of shape {tuple(param.shape)} is reduced over "
+                             f"two different process groups; use one reducer per shard group")
+        return slot
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._syncing = not self.accumulating
+        for b in self.buckets:
+            b.pending = sum(s.expected for s in b.slots)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        for s in self._slots.values():
+            if s.count:
+                s.expected, s.count = s.count, 0
+        if self._syncing:
+            self.finalize()
+        else:
+            self._finish_per_layer()
+            self._lay_out_staged()
+
+    # ---- reduction -----------------------------------------------------------------------------------
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+
+    def _finish_per_layer(self) -> None:
+        for work, flat, slots in self._per_layer:
+            work.wait()
+            offset = 0
+            for s in slots:
+                s.data.add_(flat[offset:offset + s.data.numel()])
+                s.touched = True
+                offset += s.data.numel()
+        self._per_layer.clear()
+
+    def _lay_out_staged(self) -> None:
+        """Give staged slots their place: one flat buffer per group, cut into buckets in arrival order."""
+        by_group: dict[object, list[_Slot]] = {}
+        for s in self._staged:
+            by_group.setdefault(s.group, []).append(s)
+        self._staged.clear()
+        for group, slots in by_group.items():
+            flat = torch.cat([s.data for s in slots])
+            start = offset = 0
+            members: list[_Slot] = []
+            for s in slots:
+                n = s.data.numel()
+                if members and (offset + n - start) * 4 > self.bucket_cap_bytes:
+                    self._add_bucket(group, flat[start:offset], members)
+                    start, members = offset, []
+                s.data = flat[offset:offset + n]
+                members.append(s)
+                offset += n
+            self._add_bucket(group, flat[start:offset], members)
+
+    def _add_bucket(self, group, flat: torch.Tensor, slots: list[_Slot]) -> None:
+        bucket = _Bucket(group, flat, slots)
+        bucket.dirty = any(s.touched for s in slots)
+        for s in slots:
+            s.bucket = bucket
+        self.buckets.append(bucket)
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """Reduce whatever has not been reduced yet, wait for all of it, and write `.grad`. Idempotent."""
+        self._finish_per_layer()
+        self._lay_out_staged()
+        if self.reduce == "bucketed":
+            for b in self.buckets:
+                if b.dirty and b.work is None:
+                    self._launch(b)
+        late, self._late = self._late, []
+        for s, g in late:
+            dist.all_reduce(g, group=s.group)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.work, b.dirty = None, False
+        for s, g in late:
+            s.data.add_(g)
+        for s in self._slots.values():
+            if s.touched:
+                _accumulate_grad(s.param, s.data)
+                s.data.zero_()
+                s.touched = False
+
+
+def _accumulate_grad(param, data: torch.Tensor) -> None:
+    """Add the reduced fp32 sum to param.grad in the param's dtype and placement."""
+    if isinstance(param, DTensor):
+        local = data.view(param.to_local().shape).to(param.dtype, copy=True)
+        grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    else:
+        grad = data.view(param.shape).to(param.dtype, copy=True)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def bound_reducer(param) -> NormGradReducer | None:
+    return getattr(param, _BOUND, None)

@@ -1,0 +1,110 @@
+"""DTensor norms against a single-process run on the full tensor, on 2- and 4-rank gloo meshes.
+
+One spawn per world size runs the whole matrix (spawning is the expensive part): Shard(0), Shard(1),
+Shard(-1) inputs; LayerNorm with and without bias, RMSNorm, zero-centered gamma, the fused residual;
+norm grads through the bucketed reducer, the per-layer reducer, and no reducer (torch's Partial grads).
+Each case runs 4 micro-batches of gradient accumulation and an optimizer step, then compares the
+outputs, every grad (x, residual, weight, bias) and the updated params. Data is fresh every run.
+"""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from conftest import rel_err
+from multiprocess import spawn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import shardnorm
+from shardnorm.distributed import SequenceParallelNorm, accumulate, attach_reducer
+
+pytestmark = pytest.mark.distributed
+
+SHAPE = (4, 6, 20)  # batch, sequence, hidden: sequence 6 over 4 ranks is uneven (one rank gets no rows)
+MICRO_BATCHES = 4
+TOL = 1e-6
+NORMS = {  # name -> (module factory, takes a residual)
+    "layer_norm": (lambda: shardnorm.LayerNorm(SHAPE[-1]), False),
+    "layer_norm_no_bias_residual": (lambda: shardnorm.LayerNorm(SHAPE[-1], bias=False), True),
+    "rms_norm_zero_centered": (lambda: shardnorm.RMSNorm(SHAPE[-1], zero_centered_gamma=True), False),
+    "rms_norm_residual": (lambda: shardnorm.RMSNorm(SHAPE[-1]), True),
+}
+PLACEMENTS = {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Shard(-1)": Shard(-1)}
+REDUCERS = ("bucketed", "per_layer", None)
+
+
+def _randomized(factory):
+    m = factory()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+    return m
+
+
+def _parallelize(module, mesh, placement):
+    """Token shards: shardnorm's ParallelStyle. Hidden shards: weight/bias sharded like the hidden dim."""
+    if placement.dim in (0, 1):
+        return parallelize_module(module, mesh, SequenceParallelNorm(sequence_dim=placement.dim))
+    for name, p in list(module.named_parameters()):
+        module.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+    return module
+
+
+def _run_case(mesh, norm_name, placement, reducer_mode, seed):
+    factory, with_residual = NORMS[norm_name]
+    torch.manual_seed(seed)
+    ref = _randomized(factory)
+    dist_model = _parallelize(factory(), mesh, placement)
+    with torch.no_grad():  # same random params on both sides
+        for (_, p), (_, r) in zip(dist_model.named_parameters(), ref.named_parameters()):
+            p.copy_(distribute_tensor(r.detach(), mesh, p.placements))
+    if reducer_mode is not None:
+        attach_reducer(dist_model, bucket_cap_mb=1e-4, reduce=reducer_mode)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    dist_opt = torch.optim.AdamW(dist_model.parameters(), lr=1e-2)
+
+    def check(what, actual, expected):
+        err = rel_err(actual.full_tensor(), expected)
+        assert err <= TOL, (f"{norm_name} x {placement} x reducer={reducer_mode} (seed {seed}): "
+                            f"{what} rel err {err:.2e}")
+
+    for step in range(MICRO_BATCHES):
+        x, residual, dy, dz = (torch.randn(SHAPE) for _ in range(4))
+        inputs = [x, residual] if with_residual else [x]
+        ref_in = [t.clone().requires_grad_() for t in inputs]
+        dist_in = [distribute_tensor(t, mesh, [placement]).requires_grad_() for t in inputs]
+        ref_out = ref(*ref_in)
+        last = step == MICRO_BATCHES - 1
+        with (accumulate(dist_model) if not last and reducer_mode else nullcontext()):
+            dist_out = dist_model(*dist_in)
+            outs = dist_out if with_residual else (dist_out,)
+            sum((o * distribute_tensor(g, mesh, [placement])).sum() for o, g in zip(outs, (dy, dz))
+                ).full_tensor().backward()
+        ref_outs = ref_out if with_residual else (ref_out,)
+        sum((o * g).sum() for o, g in zip(ref_outs, (dy, dz))).backward()
+        for i, (o, r) in enumerate(zip(outs, ref_outs)):
+            assert o.placements == (placement,) or placement.dim == -1
+            check(f"output {i} of micro-batch {step}", o, r)
+        for i, (d, r) in enumerate(zip(dist_in, ref_in)):
+            check(f"grad of input {i} in micro-batch {step}", d.grad, r.grad)
+    for (name, p), (_, r) in zip(dist_model.named_parameters(), ref.named_parameters()):
+        check(f"{name}.grad after {MICRO_BATCHES} micro-batches", p.grad, r.grad)
+    ref_opt.step()
+    dist_opt.step()
+    for (name, p), (_, r) in zip(dist_model.named_parameters(), ref.named_parameters()):
+        check(f"{name} after the optimizer step", p, r)
+
+
+def _matrix(rank, world_size, seed):
+    mesh = init_device_mesh("cpu", (world_size,))
+    for norm_name in NORMS:
+        for placement in PLACEMENTS.values():
+            for reducer_mode in REDUCERS:
+                _run_case(mesh, norm_name, placement, reducer_mode, seed)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dtensor_norms_match_single_process(world_size):
+    spawn(_matrix, world_size, torch.seed())
