@@ -4,5 +4,15 @@ from .convert import convert
 from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .modules import LayerNorm, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm", "add_layer_norm", "add_rms_norm", "convert", "layer_norm", "rms_norm"]
+__all__ = ["LayerNorm", "RMSNorm", "accumulate", "add_layer_norm", "add_rms_norm", "convert", "finalize_grads",
+           "layer_norm", "rms_norm"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """`accumulate` / `finalize_grads` load lazily: torch.distributed.tensor takes ~1 s to import."""
+    if name in ("accumulate", "finalize_grads"):
+        from .distributed import accumulation
+
+        return getattr(accumulation, name)
+    raise AttributeError(f"module 'shardnorm' has no attribute {name!r}")

@@ -18,10 +18,12 @@ from shardnorm.distributed.layout import NormLayout, global_normalized_numel, no
 def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
     """Normalize DTensor `x` (plus `residual`) over its trailing dims; returns (y, x + residual or None)."""
     layout = norm_layout(x, weight, bias, residual)
-    w, b = _local_params(weight, bias, layout)
     x_local = x.to_local()
     x2d = _rows(x_local, layout)
     r2d = _rows(residual.to_local(), layout) if residual is not None else None
+    # after x's to_local: autograd runs later-created nodes first, so the grads reach the reducer (and
+    # may launch its bucket) before backward moves on to the previous layer
+    w, b = _local_params(weight, bias, layout)
     if layout.hidden_mesh_dim is None:
         y, z = ops.norm(x2d, w, b, r2d, eps, rms, zero_centered)
     else:

@@ -74,6 +74,11 @@ class NormGradReducer:
             setattr(p, _BOUND, self)
 
     @property
+    def num_buckets(self) -> int:
+        """Collectives per optimizer step in bucketed mode (once the layout is known)."""
+        return len(self.buckets)
+
+    @property
     def has_pending(self) -> bool:
         """Whether accumulated grads are waiting for the step's reduction."""
         return bool(self._staged) or any(s.touched for s in self._slots.values())
@@ -95,7 +100,7 @@ class NormGradReducer:
             bucket = s.bucket
             s.touched = True
             if bucket is not None and bucket.work is not None:
-                self._late.append((s, g.reshape(-1).clone()))
+                self._late.append((s, g.reshape(-1).clone()))  # reduced on its own in finalize
                 continue
             s.data.add_(g.reshape(-1))
             if bucket is not None:
@@ -140,11 +145,7 @@ class NormGradReducer:
     def _finish_per_layer(self) -> None:
         for work, flat, slots in self._per_layer:
             work.wait()
-            offset = 0
-            for s in slots:
-                s.data.add_(flat[offset:offset + s.data.numel()])
-                s.touched = True
-                offset += s.data.numel()
+            _add_into(slots, flat)
         self._per_layer.clear()
 
     def _lay_out_staged(self) -> None:
@@ -174,6 +175,19 @@ class NormGradReducer:
             s.bucket = bucket
         self.buckets.append(bucket)
 
+    def _reduce_late(self) -> list[tuple[list[_Slot], torch.Tensor]]:
+        """All-reduce the grads that arrived after their bucket was launched: one collective per group."""
+        by_group: dict[object, list[tuple[_Slot, torch.Tensor]]] = {}
+        for s, g in self._late:
+            by_group.setdefault(s.group, []).append((s, g))
+        self._late.clear()
+        reduced = []
+        for group, items in by_group.items():
+            flat = torch.cat([g for _, g in items])
+            dist.all_reduce(flat, group=group)
+            reduced.append(([s for s, _ in items], flat))
+        return reduced
+
     @torch.no_grad()
     def finalize(self) -> None:
         """Reduce whatever has not been reduced yet, wait for all of it, and write `.grad`. Idempotent."""
@@ -183,20 +197,27 @@ class NormGradReducer:
             for b in self.buckets:
                 if b.dirty and b.work is None:
                     self._launch(b)
-        late, self._late = self._late, []
-        for s, g in late:
-            dist.all_reduce(g, group=s.group)
+        late = self._reduce_late()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
             b.work, b.dirty = None, False
-        for s, g in late:
-            s.data.add_(g)
+        for slots, flat in late:
+            _add_into(slots, flat)
         for s in self._slots.values():
             if s.touched:
                 _accumulate_grad(s.param, s.data)
                 s.data.zero_()
                 s.touched = False
+
+
+def _add_into(slots: list[_Slot], flat: torch.Tensor) -> None:
+    """Add consecutive pieces of `flat` into `slots`."""
+    offset = 0
+    for s in slots:
+        s.data.add_(flat[offset:offset + s.data.numel()])
+        s.touched = True
+        offset += s.data.numel()
 
 
 def _accumulate_grad(param, data: torch.Tensor) -> None:

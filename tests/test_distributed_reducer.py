@@ -1,0 +1,219 @@
+"""The norm-grad reducer: one collective per bucket per step (vs layers x micro-batches per layer), launched
+during the last backward, every partial sum reduced exactly once; explicit finalize; the Megatron-style
+process-group mode; clear errors for unsupported layouts. One 2-rank gloo spawn runs all of it.
+
+Collectives are counted by wrapping `torch.distributed.all_reduce` (the real one runs underneath); the
+sequence-parallel stack below issues no other all_reduce, so every call counted is a norm-grad reduction.
+"""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import rel_err
+from multiprocess import spawn
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import shardnorm
+from shardnorm.distributed import SequenceParallelNorm, attach_reducer, sequence_parallel_norm
+
+pytestmark = pytest.mark.distributed
+
+LAYERS, HIDDEN, MICRO_BATCHES, STEPS = 6, 16, 4, 2
+BUCKET_CAP_MB = 300 / 2**20  # two LayerNorms (2 x 32 fp32 values) per bucket: 3 buckets
+TOL = 1e-6
+
+
+class NormStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norms = nn.ModuleList(shardnorm.LayerNorm(HIDDEN) for _ in range(LAYERS))
+
+    def forward(self, x, reuse_first: bool = False):
+        for norm in self.norms:
+            x = norm(x) * 1.5
+        return self.norms[0](x) if reuse_first else x
+
+
+def _models(mesh, seed):
+    torch.manual_seed(seed)
+    ref = NormStack()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_()
+    model = NormStack()
+    model.load_state_dict(ref.state_dict())
+    parallelize_module(model, mesh, {"norms.*": SequenceParallelNorm()})
+    return ref, model
+
+
+class _AllReduceCounter:
+    """Counts torch.distributed.all_reduce calls; the real collective runs underneath."""
+
+    def __init__(self):
+        self.calls, self._real = 0, dist.all_reduce
+        dist.all_reduce = self._counted
+
+    def _counted(self, *args, **kwargs):
+        self.calls += 1
+        return self._real(*args, **kwargs)
+
+    def take(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls
+
+
+def _micro_batch(model, ref, mesh, x, dy, reuse_first=False, on_input_grad=None):
+    xd = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+    if on_input_grad is not None:
+        xd.register_hook(on_input_grad)
+    (model(xd, reuse_first) * distribute_tensor(dy, mesh, [Shard(1)])).sum().full_tensor().backward()
+    (ref(x, reuse_first) * dy).sum().backward()
+
+
+def _check_grads(model, ref, what):
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None and p.grad.placements == (Replicate(),), f"{what}: {name}.grad {p.grad}"
+        err = rel_err(p.grad.full_tensor(), r.grad)
+        assert err <= TOL, f"{what}: {name}.grad rel err {err:.2e}"
+
+
+def _data():
+    return torch.randn(2, 8, HIDDEN), torch.randn(2, 8, HIDDEN)
+
+
+def _collectives_per_step(mesh, counter, seed, mode):
+    """bucketed: num_buckets all-reduces per step, all launched before backward reaches the input;
+    per_layer: layers x micro-batches."""
+    ref, model = _models(mesh, seed)
+    reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB, reduce=mode)
+    launched_at = {"input grad": [], "finalize": []}
+    finalize = reducer.finalize
+    reducer.finalize = lambda: (launched_at["finalize"].append(counter.calls), finalize())
+    for step in range(STEPS):
+        for mb in range(MICRO_BATCHES):
+            last = mb == MICRO_BATCHES - 1
+            hook = (lambda g: launched_at["input grad"].append(counter.calls)) if last else None
+            with shardnorm.accumulate(model) if not last else nullcontext():
+                _micro_batch(model, ref, mesh, *_data(), on_input_grad=hook)
+            if not last:
+                assert all(p.grad is None for p in model.parameters()), f"{mode}: grads before the last micro-batch"
+        calls = counter.take()
+        if mode == "bucketed":
+            assert reducer.num_buckets == 3, reducer.num_buckets
+            assert calls == reducer.num_buckets, f"step {step}: {calls} collectives, {reducer.num_buckets} buckets"
+            # each bucket launched as its last grad arrived: all before the end of backward, and all but
+            # perhaps the last before backward reached the stack's input
+            assert launched_at["finalize"][-1] == reducer.num_buckets, launched_at
+            assert launched_at["input grad"][-1] >= reducer.num_buckets - 1, launched_at
+        else:
+            assert calls == LAYERS * MICRO_BATCHES, f"per_layer step {step}: {calls} collectives"
+        _check_grads(model, ref, f"{mode} step {step}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+def _explicit_finalize(mesh, counter, seed):
+    """Megatron-style: every micro-batch accumulates, `finalize_grads` reduces once; calling it again is a
+    no-op (no collective, grads unchanged)."""
+    ref, model = _models(mesh, seed)
+    attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+    with shardnorm.accumulate(model):
+        for _ in range(MICRO_BATCHES):
+            _micro_batch(model, ref, mesh, *_data())
+    assert counter.take() == 0
+    assert all(p.grad is None for p in model.parameters())
+    shardnorm.finalize_grads(model)
+    assert counter.take() == model._shardnorm_reducer.num_buckets
+    _check_grads(model, ref, "finalize_grads")
+    shardnorm.finalize_grads(model)
+    assert counter.take() == 0
+    _check_grads(model, ref, "finalize_grads twice")
+
+
+def _graph_changes(mesh, counter, seed):
+    """A norm used twice in a step where it was used once before: its second grad arrives after its
+    bucket was launched, and must still be reduced exactly once."""
+    ref, model = _models(mesh, seed)
+    reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+    for step, reuse_first in enumerate([False, True, True]):
+        _micro_batch(model, ref, mesh, *_data(), reuse_first=reuse_first)
+        extra = 1 if step == 1 else 0  # the late grad, reduced on its own
+        calls = counter.take()
+        assert calls == reducer.num_buckets + extra, f"step {step}: {calls} collectives, {reducer.num_buckets} buckets"
+        _check_grads(model, ref, f"reuse step {step}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+def _process_group_mode(rank, world_size, seed):
+    """Plain tensors in and out, plain params flagged `sequence_parallel`: without a reducer their grads
+    are local partial sums (for Megatron's finalize_model_grads), with one they are the full sums."""
+    for with_reducer in (False, True):
+        torch.manual_seed(seed)
+        ref = NormStack()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.normal_()
+        model = NormStack()
+        model.load_state_dict(ref.state_dict())
+        for norm in model.norms:
+            sequence_parallel_norm(norm, dist.group.WORLD)  # sequence dim 0: Megatron's [s, b, h]
+        if with_reducer:
+            attach_reducer(model)
+        x, dy = torch.randn(8, 2, HIDDEN), torch.randn(8, 2, HIDDEN)
+        x_local = x.chunk(world_size)[rank].clone().requires_grad_()
+        y_local = model(x_local)
+        assert type(y_local) is torch.Tensor and y_local.shape == x_local.shape
+        (y_local * dy.chunk(world_size)[rank]).sum().backward()
+        xr = x.clone().requires_grad_()
+        (ref(xr) * dy).sum().backward()
+        assert rel_err(x_local.grad, xr.grad.chunk(world_size)[rank]) <= TOL
+        for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+            assert type(p) is nn.Parameter and p.sequence_parallel is True, name
+            grad = p.grad.clone()
+            if not with_reducer:
+                dist.all_reduce(grad)  # what Megatron's finalize_model_grads does for sequence_parallel params
+            assert rel_err(grad, r.grad) <= TOL, f"process-group mode, reducer={with_reducer}: {name}"
+
+
+def _errors(mesh):
+    h = HIDDEN
+    x = distribute_tensor(torch.randn(2, 8, h), mesh, [Shard(1)])
+    partial_x = DTensor.from_local(torch.randn(2, 8, h), mesh, [Partial()])
+    with pytest.raises(NotImplementedError, match=r"Partial"):
+        shardnorm.rms_norm(partial_x, (h,))
+    sharded_w = distribute_tensor(torch.randn(h), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match=r"weight has placements \(Shard\(dim=0\),\)"):
+        shardnorm.rms_norm(x, (h,), sharded_w)
+    replicated = distribute_tensor(torch.randn(h), mesh, [Replicate()])
+    with pytest.raises(ValueError, match=r"bias has placements"):
+        shardnorm.layer_norm(distribute_tensor(torch.randn(2, 8, h), mesh, [Shard(2)]), (h,),
+                             distribute_tensor(torch.randn(h), mesh, [Shard(0)]), replicated)
+    with pytest.raises(ValueError, match=r"residual must be a DTensor on x's mesh with x's placements"):
+        shardnorm.add_rms_norm(x, distribute_tensor(torch.randn(2, 8, h), mesh, [Shard(0)]), (h,), replicated)
+    with pytest.raises(ValueError, match=r"weight is a plain torch.Tensor"):
+        shardnorm.rms_norm(x, (h,), torch.randn(h, requires_grad=True))
+    with pytest.raises(ValueError, match=r"reduce must be 'bucketed' or 'per_layer'"):
+        attach_reducer(NormStack(), reduce="per_param")
+    with pytest.raises(ValueError, match=r"1-D"):
+        parallelize_module(shardnorm.RMSNorm(h), init_device_mesh("cpu", (1, mesh.size())), SequenceParallelNorm())
+
+
+def _cases(rank, world_size, seed):
+    mesh = init_device_mesh("cpu", (world_size,))
+    counter = _AllReduceCounter()
+    _collectives_per_step(mesh, counter, seed, "bucketed")
+    _collectives_per_step(mesh, counter, seed, "per_layer")
+    _explicit_finalize(mesh, counter, seed)
+    _graph_changes(mesh, counter, seed)
+    _process_group_mode(rank, world_size, seed)
+    _errors(mesh)
+
+
+def test_reducer_collectives_modes_and_errors():
+    spawn(_cases, 2, torch.seed())
