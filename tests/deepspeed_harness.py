@@ -27,15 +27,20 @@ def load_config(name: str) -> dict:
 
 
 def use_test_device(rank: int) -> torch.device:
-    """Inside a spawned rank: the device to train on (NCCL replaces spawn's gloo group on CUDA)."""
-    if DEVICE == "cpu":
-        return torch.device("cpu")
-    torch.cuda.set_device(rank)
-    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)  # a fresh store for the new group
-    world_size = dist.get_world_size()
-    dist.destroy_process_group()
-    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
-    return torch.device("cuda", rank)
+    """Inside a spawned rank: the device to train on, with deepspeed.comm set up on the default group
+    (on CUDA first replaced by an NCCL one, each rank on its local GPU)."""
+    import deepspeed
+
+    device = torch.device("cpu")
+    if DEVICE == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)  # a fresh store for the new group
+        world_size = dist.get_world_size()
+        dist.destroy_process_group()
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return device
 
 
 class LlamaRMSNorm(nn.Module):
@@ -85,12 +90,17 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean()
 
 
-def train_reference(model: nn.Module, ds_config: dict, batches: list, device, cat_dim: int = 0) -> tuple:
-    """Train a copy of `model` with plain torch as DeepSpeed would: average over ranks (concatenated
-    along cat_dim) and micro-batches, clip, torch AdamW. Returns (model, [loss per micro-batch])."""
-    model = copy.deepcopy(model).to(device)
+def config_adamw(ds_config: dict):
+    """The torch optimizer DeepSpeed builds from the config's AdamW with torch_adam."""
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k != "torch_adam"}
-    opt = torch.optim.AdamW(model.parameters(), **params)
+    return lambda parameters: torch.optim.AdamW(parameters, **params)
+
+
+def train_reference(model: nn.Module, ds_config: dict, batches: list, device, make_optimizer, cat_dim: int = 0):
+    """Train a copy of `model` with plain torch as DeepSpeed would: average over ranks (concatenated
+    along cat_dim) and micro-batches, clip, step. Returns (model, [loss per micro-batch])."""
+    model = copy.deepcopy(model).to(device)
+    opt = make_optimizer(model.parameters())
     losses = []
     for step in batches:
         for micro in step:
@@ -115,3 +125,13 @@ def mean_over_ranks(value: float, device, group=None) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
+
+
+def full_params(model: nn.Module) -> dict:
+    """name -> full value of every parameter (gathered under ZeRO-3), in torch.nn terms (scale 1 + w if zero-centered)."""
+    from deepspeed.runtime.zero import GatheredParameters
+    from shardnorm.deepspeed.conversion import shardnorm_modules
+
+    zero_centered = {id(m.weight) for m in shardnorm_modules(model) if m.zero_centered_gamma}
+    with GatheredParameters(list(model.parameters())):
+        return {name: (p + 1 if id(p) in zero_centered else p).detach().clone() for name, p in model.named_parameters()}

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from deepspeed_harness import (load_config, loss_fn, mean_over_ranks, micro_batches, norm_model, rel_err,
-                               train_reference, use_test_device)
+from deepspeed_harness import (config_adamw, full_params, load_config, loss_fn, mean_over_ranks, micro_batches,
+                               norm_model, rel_err, train_reference, use_test_device)
 from multiprocess import spawn
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -38,16 +38,6 @@ def _config(file, zero, section, optimizer):
     config["shardnorm"].update(section)
     config["optimizer"]["params"].update(optimizer)
     return config
-
-
-def _full_params(model):
-    """name -> full value of every parameter (gathered under ZeRO-3), in torch.nn terms (scale 1 + w if zero-centered)."""
-    from shardnorm.deepspeed.conversion import shardnorm_modules
-
-    zero_centered = {id(m.weight) for m in shardnorm_modules(model) if m.zero_centered_gamma}
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        return {name: (p + 1 if id(p) in zero_centered else p).detach().clone()
-                for name, p in model.named_parameters()}
 
 
 def _assert_gathered_in_forward(norms):
@@ -78,7 +68,7 @@ def _run_case(rank, world_size, device, seed, name, file, zero, section, optimiz
     config = _config(file, zero, section, optimizer)
     model = norm_model(seed).to(device)
     batches = micro_batches(seed + 1, STEPS, GAS, world_size, ROWS, (8,))
-    reference, ref_losses = train_reference(model, config, batches, device)
+    reference, ref_losses = train_reference(model, config, batches, device, config_adamw(config))
 
     engine, *_ = sd.initialize(model=model, config=config, model_parameters=model.parameters())
     norms = shardnorm_modules(engine.module)
@@ -97,7 +87,7 @@ def _run_case(rank, world_size, device, seed, name, file, zero, section, optimiz
 
     for i, (got, want) in enumerate(zip(losses, ref_losses)):
         assert abs(got - want) <= TOL * abs(want), f"{name}: micro-batch {i} loss {got} vs torch {want}"
-    got, want = _full_params(engine.module), dict(reference.named_parameters())
+    got, want = full_params(engine.module), dict(reference.named_parameters())
     for key in want:
         assert rel_err(got[key], want[key]) <= TOL, f"{name}: {key} rel err {rel_err(got[key], want[key]):.2e}"
     if config["zero_optimization"]["stage"] == 3:

@@ -14,7 +14,7 @@ def shardnorm_modules(model: torch.nn.Module) -> list:
 def _gathered(param: torch.nn.Parameter):
     """A context in which a ZeRO-3 partitioned parameter (built under zero.Init) is whole."""
     if hasattr(param, "ds_id"):
-        from deepspeed.zero import GatheredParameters
+        from deepspeed.runtime.zero import GatheredParameters
 
         return GatheredParameters([param], modifier_rank=0)
     return torch.no_grad()
