@@ -15,7 +15,8 @@ from conftest import reference_norm, rel_err
 from shardnorm.kernels import config
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
-HIDDEN = (1, 7, 127, 1000, 4096, 5120, config.MAX_FUSED_N_FWD + 7232)  # last: chunked path
+# 9000: LayerNorm backward chunked, forward one-pass; the last: both chunked.
+HIDDEN = (1, 7, 127, 1000, 4096, 5120, 9000, config.MAX_FUSED_N_FWD + 7232)
 
 
 def _seeded():
@@ -111,11 +112,11 @@ def test_strided_rows(backend, device):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-def test_backward_is_bitwise_deterministic(backend, device, rms):
+@pytest.mark.parametrize("n,rows", [(1000, 301), (config.MAX_FUSED_N_FWD + 7232, 41)], ids=["one_pass", "chunked"])
+def test_backward_is_bitwise_deterministic(backend, device, rms, n, rows):
     """Many persistent programs, each with its own partial row: repeated runs agree bit for bit."""
-    n, rows = 1000, 301
-    tile = config.bwd_config(n)
-    assert config.bwd_programs(-(-rows // tile.block_m), config.INTERPRETER_SM_COUNT) > 1
+    tile = config.bwd_config(n, 1 if rms else 2)
+    assert config.bwd_programs(tile, -(-rows // tile.block_m), config.INTERPRETER_SM_COUNT) > 1
     _seeded()
     x = torch.randn(rows, n, device=device)
     w = torch.randn(n, device=device, requires_grad=True)
@@ -154,3 +155,22 @@ def test_constant_row_finite_and_nan_propagates(backend, device, rms):
     assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
     assert torch.isnan(y[1]).all() == torch.isnan(expected[1]).all()
     assert rel_err(y[[0, 2]], expected[[0, 2]]) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a tensor of more than 2^31 elements needs a GPU")
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_more_than_2_pow_31_elements(rms):
+    """Offsets past 2^31 elements must not wrap: check the last rows, forward and backward."""
+    n = 65536
+    m = 2**31 // n + 5
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, device="cuda", requires_grad=True)
+    y = shardnorm.rms_norm(x, n, w) if rms else shardnorm.layer_norm(x, n, w)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    tail = slice(m - 8, m)
+    xr, wr = x[tail].detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yr = reference_norm(xr, wr, None, None, 1e-6 if rms else 1e-5, rms)
+    yr.backward(dy[tail].double())
+    assert rel_err(y[tail], yr) < TOL[torch.bfloat16]
+    assert rel_err(x.grad[tail], xr.grad) < TOL[torch.bfloat16]

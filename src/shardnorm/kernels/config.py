@@ -10,7 +10,11 @@ runtime argument marked `do_not_specialize`).
 - BLOCK_M: rows per tile, so that small-N tiles still move ~16-32 KB per iteration.
 - num_warps: grows with the tile so each thread holds a bounded number of elements.
 - Backward is persistent: `bwd_programs` programs walk the row blocks grid-stride, each keeping its
-  dgamma/dbeta partial sum in registers, then write one fp32 row of the [P, N] partial buffer.
+  dgamma/dbeta partial sum in registers, then write one fp32 row of the [P, N] partial buffer. Its
+  one-pass limit depends on how many partial sums (dgamma, dbeta) stay live in registers.
+
+`benchmarks/sweep_tiles.py` measures alternatives by replacing `fwd_config` / `bwd_config` here;
+`benchmarks/NOTES.md` records what was measured and why these values.
 """
 
 from dataclasses import dataclass
@@ -19,14 +23,12 @@ import triton
 
 # Largest row kept in registers in one pass (elements). Above it the chunked path runs.
 MAX_FUSED_N_FWD = 32768
-MAX_FUSED_N_BWD = 16384
+MAX_FUSED_N_BWD = {0: 16384, 1: 16384, 2: 8192}  # by the number of partial sums (dgamma, dbeta)
 # Chunk width of the chunked (large-N) path.
 CHUNK_N = 4096
 # Elements per tile that the tile-size heuristics aim for.
 TILE_ELEMENTS_FWD = 8192
 TILE_ELEMENTS_BWD = 4096
-# Persistent backward programs per SM.
-BWD_PROGRAMS_PER_SM = 2
 # SM count used where there is no CUDA device (TRITON_INTERPRET on CPU tensors).
 INTERPRETER_SM_COUNT = 4
 
@@ -37,6 +39,7 @@ class TileConfig:
     block_n: int
     num_warps: int
     single_pass: bool
+    programs_per_sm: int = 2  # persistent backward programs per SM
 
 
 def _tile(n: int, max_fused: int, tile_elements: int) -> TileConfig:
@@ -52,10 +55,10 @@ def fwd_config(n: int) -> TileConfig:
     return _tile(n, MAX_FUSED_N_FWD, TILE_ELEMENTS_FWD)
 
 
-def bwd_config(n: int) -> TileConfig:
-    return _tile(n, MAX_FUSED_N_BWD, TILE_ELEMENTS_BWD)
+def bwd_config(n: int, num_partials: int) -> TileConfig:
+    return _tile(n, MAX_FUSED_N_BWD[num_partials], TILE_ELEMENTS_BWD)
 
 
-def bwd_programs(num_row_blocks: int, sm_count: int) -> int:
+def bwd_programs(cfg: TileConfig, num_row_blocks: int, sm_count: int) -> int:
     """At least one program (it writes a zero partial when M == 0), at most one per row block."""
-    return max(1, min(sm_count * BWD_PROGRAMS_PER_SM, num_row_blocks))
+    return max(1, min(sm_count * cfg.programs_per_sm, num_row_blocks))

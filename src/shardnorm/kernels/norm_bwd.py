@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import INTERPRETER_SM_COUNT, bwd_config, bwd_programs
+from . import config
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def column_sum_kernel(PARTIAL, OUT_W, OUT_B, P, N, K, BLOCK_P: tl.constexpr, BLO
 
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
-        return INTERPRETER_SM_COUNT
+        return config.INTERPRETER_SM_COUNT
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -152,8 +152,8 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     M, N = src.shape
     dx = torch.empty((M, N), dtype=src.dtype, device=src.device)
     num_grads = int(weight is not None) + int(has_bias)
-    cfg = bwd_config(N)
-    programs = bwd_programs(triton.cdiv(M, cfg.block_m), _sm_count(src.device))
+    cfg = config.bwd_config(N, num_grads)
+    programs = config.bwd_programs(cfg, triton.cdiv(M, cfg.block_m), _sm_count(src.device))
     partial = torch.empty((programs, num_grads * N), dtype=torch.float32, device=src.device)
     norm_bwd_kernel[(programs,)](
         src, dy, dz, weight, mean, rstd, dx, partial,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import fwd_config
+from . import config
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return y, z, mean, rstd
-    cfg = fwd_config(N)
+    cfg = config.fwd_config(N)
     grid = (triton.cdiv(M, cfg.block_m),)
     norm_fwd_kernel[grid](
         x, residual, weight, bias, y, z, mean, rstd,

@@ -1,0 +1,171 @@
+"""Kernel benchmark on one GPU: shardnorm vs torch eager, torch.compile and Liger-Kernel.
+
+Every provider runs the same shapes in the same process; each one's y, dx and dgamma are checked
+against a float64 reference first, so a fast wrong kernel cannot win. Times are
+`triton.testing.do_bench` medians after warm-up (it also flushes L2 between repetitions); inputs
+that fit in L2 are additionally rotated. Bytes are the minimum traffic: forward reads x and writes
+y, backward reads x and dy and writes dx (weights, stats and dgamma are not counted), fwd+bwd the
+sum. Backward is timed as `y.backward(dy, retain_graph=True)`, so it includes the dgamma/dbeta
+reduction. A device-to-device copy measured in the same run is the ceiling.
+
+    python benchmarks/bench_kernels.py --out results.json [--quick] [--max-autotune]
+
+`benchmarks/report.py results.json` turns the JSON into the markdown table and the plot.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import shardnorm
+
+GENAI = [(32768, n) for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536)]
+LLAMA = [(16384, n) for n in (4096, 5120, 8192, 14336)]
+QK_NORM = [(262144, n) for n in (64, 128, 256)]
+EPS = 1e-6
+REF_ROWS = 512  # rows of y/dx compared in float64 (dgamma uses all rows)
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(512 * 2**20, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def make_providers(rms: bool, n: int, max_autotune: bool) -> dict:
+    """name -> fn(x, w, b) for one norm and hidden size."""
+    if rms:
+        eager = lambda x, w, b: F.rms_norm(x, (n,), w, EPS)  # noqa: E731
+        ours = lambda x, w, b: shardnorm.rms_norm(x, (n,), w, EPS)  # noqa: E731
+    else:
+        eager = lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
+        ours = lambda x, w, b: shardnorm.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
+    providers = {"shardnorm": ours, "torch": eager, "torch.compile": torch.compile(eager, dynamic=False)}
+    if max_autotune:
+        providers["torch.compile-max-autotune"] = torch.compile(eager, dynamic=False,
+                                                                mode="max-autotune-no-cudagraphs")
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        return providers
+    if rms:
+        providers["liger"] = lambda x, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+    else:
+        providers["liger"] = lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+    return providers
+
+
+def reference(x, w, b, dy, rms: bool):
+    """float64 y and dx of the first REF_ROWS rows, and dgamma over all rows (in row chunks)."""
+    dw = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
+    out = {}
+    for start in range(0, x.shape[0], 2048):
+        xs = x[start:start + 2048].double().requires_grad_()
+        ws = w.double().requires_grad_()
+        if rms:
+            y = xs * torch.rsqrt(xs.square().mean(-1, keepdim=True) + EPS) * ws
+        else:
+            y = F.layer_norm(xs, (x.shape[1],), ws, b.double(), EPS)
+        gx, gw = torch.autograd.grad(y, (xs, ws), dy[start:start + 2048].double())
+        dw += gw
+        if start == 0:
+            out["y"], out["dx"] = y[:REF_ROWS].detach(), gx[:REF_ROWS]
+    out["dw"] = dw
+    return out
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs):
+    dtype = torch.bfloat16
+    es = torch.tensor([], dtype=dtype).element_size()
+    x_bytes = m * n * es
+    sets = max(1, min(8, math.ceil(4 * torch.cuda.get_device_properties(0).L2_cache_size / x_bytes)))
+    xs = [torch.randn(m, n, device="cuda", dtype=dtype).requires_grad_() for _ in range(sets)]
+    w = torch.randn(n, device="cuda", dtype=weight_dtype).requires_grad_()
+    b = None if rms else torch.randn(n, device="cuda", dtype=weight_dtype).requires_grad_()
+    dys = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(sets)]
+    ref = reference(xs[0].detach(), w.detach(), b.detach() if b is not None else None, dys[0], rms)
+    rows = []
+    for name, fn in make_providers(rms, n, max_autotune).items():
+        row = dict(provider=name, norm="rms" if rms else "layer", M=m, N=n, x_dtype="bf16",
+                   weight_dtype=str(weight_dtype).replace("torch.", ""), input_sets=sets)
+        try:
+            y = fn(xs[0], w, b)
+            gx, gw = torch.autograd.grad(y, (xs[0], w), dys[0])
+            row["err"] = dict(y=rel(y[:REF_ROWS], ref["y"]), dx=rel(gx[:REF_ROWS], ref["dx"]),
+                              dw=rel(gw, ref["dw"]))
+            row["correct"] = all(e < 2e-2 for e in row["err"].values())
+            del y, gx, gw
+            it = iter(range(10**9))
+            params = [w] + ([b] if b is not None else [])
+            ms_fwd = do_bench(lambda: fn(xs[next(it) % sets], w, b), return_mode="median")
+            graphs = [(fn(x, w, b), dy) for x, dy in zip(xs, dys)]
+            ms_bwd = do_bench(lambda: (lambda g: g[0].backward(g[1], retain_graph=True))(graphs[next(it) % sets]),
+                              grad_to_none=xs + params, return_mode="median")
+            del graphs
+
+            def step():
+                i = next(it) % sets
+                fn(xs[i], w, b).backward(dys[i])
+
+            ms_step = do_bench(step, grad_to_none=xs + params, return_mode="median")
+        except Exception as e:  # a provider that fails a shape is reported, not fatal
+            row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            print(f"  {name:28s} FAILED {row['failed']}", flush=True)
+            continue
+        for key, ms, nbytes in (("fwd", ms_fwd, 2 * x_bytes), ("bwd", ms_bwd, 3 * x_bytes),
+                                ("fwd_bwd", ms_step, 5 * x_bytes)):
+            row[f"{key}_ms"] = ms
+            row[f"{key}_gbs"] = nbytes / ms / 1e6
+            row[f"{key}_of_copy"] = row[f"{key}_gbs"] / copy_gbs
+        rows.append(row)
+        print(f"  {name:28s} fwd {row['fwd_gbs']:7.0f} GB/s ({row['fwd_of_copy']:4.0%})  "
+              f"bwd {row['bwd_gbs']:7.0f} GB/s ({row['bwd_of_copy']:4.0%})  "
+              f"err y {row['err']['y']:.1e} dx {row['err']['dx']:.1e} dw {row['err']['dw']:.1e}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--quick", action="store_true", help="genai shapes, bf16 weights only")
+    parser.add_argument("--max-autotune", action="store_true", help="add torch.compile max-autotune-no-cudagraphs")
+    parser.add_argument("--norms", default="rms,layer")
+    parser.add_argument("--weights", default="bfloat16,float32")
+    args = parser.parse_args(argv)
+    torch._dynamo.config.cache_size_limit = 1024
+    torch._functorch.config.donated_buffer = False  # compiled backward is re-run with retain_graph
+    copy_gbs = copy_bandwidth()
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(gpu=props.name, sm_count=props.multi_processor_count, date=datetime.date.today().isoformat(),
+                torch=torch.__version__, triton=triton.__version__, copy_gbs=copy_gbs,
+                command=" ".join([sys.executable.split("/")[-1]] + sys.argv))
+    print(f"{props.name}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
+    shapes = GENAI if args.quick else GENAI + LLAMA + QK_NORM
+    weights = ["bfloat16"] if args.quick else args.weights.split(",")
+    rows = []
+    for norm in args.norms.split(","):
+        for wd in weights:
+            for m, n in shapes:
+                print(f"{norm} M={m} N={n} weight={wd}", flush=True)
+                rows += bench_shape(m, n, norm == "rms", getattr(torch, wd), args.max_autotune, copy_gbs)
+                torch.cuda.empty_cache()
+                with open(args.out, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
