@@ -14,7 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+import shardnorm
 from parallel.config import TrainConfig
+from parallel.metrics import logger
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -36,17 +38,23 @@ def build_optimizer(model: nn.Module, train: TrainConfig):
 
 
 class TorchEngine:
-    """Gradient accumulation without communication until the last micro-batch, then one step."""
+    """Gradient accumulation without communication until the last micro-batch, then one step.
 
-    def __init__(self, model: nn.Module, train: TrainConfig):
-        self.model, self.max_grad_norm = model, train.max_grad_norm
+    `norm_reducer`: the model's sequence-parallel shardnorm norms reduce their grads over tp through
+    shardnorm's reducer (attached by parallel.parallelize), once per step.
+    """
+
+    def __init__(self, model: nn.Module, train: TrainConfig, norm_reducer: bool = False):
+        self.model, self.max_grad_norm, self.norm_reducer = model, train.max_grad_norm, norm_reducer
         self.optimizer, self.scheduler = build_optimizer(model, train)
 
     def _micro_batch(self, last: bool):
-        """FSDP2 reduce-scatters only on the last micro-batch's backward."""
+        """Neither FSDP2 (over dp) nor shardnorm's reducer (over tp) reduce before the last one."""
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
+        if last or not self.norm_reducer:
+            return contextlib.nullcontext()
+        return shardnorm.accumulate(self.model)
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         total = 0.0
@@ -55,6 +63,8 @@ class TorchEngine:
                 loss = cross_entropy(self.model(inputs), targets) / len(micro_batches)
                 loss.backward()
             total += loss.detach()
+        if self.norm_reducer:
+            shardnorm.finalize_grads(self.model)
         if self.max_grad_norm:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
@@ -69,23 +79,32 @@ class TorchEngine:
 
 class DeepSpeedEngine:
     """The TOML owns batch size, accumulation, clipping, precision and the optimizer; the DeepSpeed
-    JSON owns ZeRO and the "shardnorm" section (turned off for `--norm torch`)."""
+    JSON owns ZeRO and the "shardnorm" section (turned off for `--norm torch`), which
+    shardnorm.deepspeed.initialize applies to the model's torch norms."""
 
     def __init__(self, model: nn.Module, train: TrainConfig, ds_config_path: str,
                  micro_batch_size: int):
-        import deepspeed
+        import shardnorm.deepspeed
 
         config = json.loads(open(ds_config_path).read())
-        config.pop("train_batch_size", None)
+        replaced = [key for key in ("optimizer", "scheduler", "train_batch_size") if key in config]
+        if replaced:
+            logger.info("%s: %s replaced by the [train] settings", ds_config_path,
+                        ", ".join(replaced))
+        for key in replaced:
+            del config[key]
         config.update(train_micro_batch_size_per_gpu=micro_batch_size,
                       gradient_accumulation_steps=train.grad_accum,
                       gradient_clipping=train.max_grad_norm)
         config.setdefault("bf16", {})["enabled"] = train.dtype == "bfloat16"
         config.setdefault("shardnorm", {})["enabled"] = train.norm == "shardnorm"
         optimizer, scheduler = build_optimizer(model, train)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        self.engine, self.optimizer, _, self.scheduler = shardnorm.deepspeed.initialize(
             model=model, config=config, optimizer=optimizer, lr_scheduler=scheduler)
         self.model = self.engine.module
+        logger.info("DeepSpeed (ZeRO stage %d): %d shardnorm norms in the model",
+                    self.engine.zero_optimization_stage(),
+                    sum(isinstance(m, shardnorm.RMSNorm) for m in self.model.modules()))
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """DeepSpeed scales each micro-batch loss and steps at the accumulation boundary itself."""

@@ -15,13 +15,15 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from shardnorm.distributed import SequenceParallelNorm, attach_reducer
+
 from parallel.config import TrainConfig
 from parallel.model import Transformer
 
 
 def norm_style(norm: str):
-    """The ParallelStyle for a sequence-parallel norm of the given kind."""
-    return SequenceParallel()
+    """shardnorm's style routes the tp-partial norm grads to its reducer; torch's leaves `Partial`."""
+    return SequenceParallelNorm() if norm == "shardnorm" else SequenceParallel()
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, norm: str) -> None:
@@ -58,11 +60,24 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, dtype: torch.dtype) -> N
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
+def materialize_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """A plain copy of the embedding's reduce-scatter result (an AsyncCollectiveTensor): a compiled
+    block taking the async tensor as input silently drops its gradient (torch 2.13, gloo)."""
+    return output.clone()
+
+
+def apply_compile(model: Transformer) -> None:
+    for block in model.layers:
+        block.compile(fullgraph=True)
+    model.tok_embeddings.register_forward_hook(materialize_output)
+
+
 def parallelize(model: Transformer, mesh: DeviceMesh, train: TrainConfig) -> nn.Module:
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], train.norm)
     if train.compile:
-        for block in model.layers:
-            block.compile(fullgraph=True)
+        apply_compile(model)
     apply_fsdp(model, mesh["dp"], getattr(torch, train.dtype))
+    if mesh["tp"].size() > 1 and train.norm == "shardnorm":
+        attach_reducer(model)
     return model

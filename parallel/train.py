@@ -37,7 +37,9 @@ def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
         return DeepSpeedEngine(model, cfg.train, cfg.parallel.deepspeed_config,
                                cfg.data.batch_size), runtime.rank
     mesh = init_device_mesh(runtime.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    return TorchEngine(parallelize(model, mesh, cfg.train), cfg.train), mesh["dp"].get_local_rank()
+    engine = TorchEngine(parallelize(model, mesh, cfg.train), cfg.train,
+                         norm_reducer=cfg.train.norm == "shardnorm" and tp > 1)
+    return engine, mesh["dp"].get_local_rank()
 
 
 def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: int) -> None:
