@@ -1,0 +1,103 @@
+"""The main job end to end through its launchers, on 2 CPU processes (gloo), as a user runs it.
+
+Each run is a real `launch/train.sh` / `launch/deepspeed.sh` subprocess; rank 0's summary.json,
+metrics.jsonl and loss.png are checked afterwards. About 2-3 minutes on a 2-core machine.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "configs/tiny_cpu.toml"
+
+
+def launch(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDNORM_BACKEND", "NPROC")}
+    return subprocess.run(["bash", f"launch/{script}", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def run_ok(script: str, out_dir: Path, *args: str) -> tuple[dict, list[dict]]:
+    result = launch(script, *args, f"train.out_dir={json.dumps(str(out_dir))}")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "summary:" in result.stdout
+    assert (out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out_dir / "summary.json").read_text()), records
+
+
+@pytest.mark.distributed
+def test_default_config_trains_and_matches_single_process(tmp_path):
+    summary, records = run_ok("train.sh", tmp_path, TINY, "--check")
+    steps = tomllib.loads((ROOT / TINY).read_text())["train"]["steps"]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert (summary["norm"], summary["dp"], summary["tp"]) == ("shardnorm", 1, 2)
+    assert summary["check_passed"] and summary["check_max_rel_diff"] <= summary["check_rtol"]
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert last < 0.6 * first, (first, last)
+    assert summary["final_loss"] == last
+    assert summary["tokens_per_s"] > 0 and summary["step_time_s"] > 0
+    assert summary["peak_mem_gib"] > 0
+
+
+@pytest.mark.distributed
+def test_data_parallel_fsdp_with_torch_norms(tmp_path):
+    """dp=2 × tp=1: FSDP2 reduce-scatter with accumulation; the --norm switch."""
+    summary, records = run_ok("train.sh", tmp_path, TINY, "--norm", "torch", "--check",
+                              "parallel.tp=1", "train.steps=4", "train.timing_skip=1")
+    assert (summary["norm"], summary["dp"], summary["tp"]) == ("torch", 2, 1)
+    assert summary["check_passed"] and len(records) == 4
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_deepspeed_zero3(tmp_path):
+    summary, records = run_ok("deepspeed.sh", tmp_path, TINY, "--check",
+                              "parallel.deepspeed_config=configs/deepspeed/zero3.json",
+                              "train.steps=4", "train.timing_skip=1")
+    assert (summary["engine"], summary["dp"], summary["tp"]) == ("deepspeed", 2, 1)
+    assert summary["check_passed"] and len(records) == 4
+
+
+def check_config(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parallel.config", TINY, *args], cwd=ROOT,
+                          text=True, capture_output=True)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.n_layer=2", "model.n_layer: unknown key"),
+    ("train.steps=abc", "train.steps: expected int, got str"),
+    ("train.compile=1", "train.compile: expected bool, got int"),
+    ("train.norm=apex", "train.norm: 'apex' is not one of shardnorm, torch"),
+    ("optim.lr=1", "optim: unknown section"),
+    ("train.steps", "override 'train.steps': expected section.key=value"),
+    ("model.n_kv_heads=3", "model.n_kv_heads: 3 does not divide model.n_heads"),
+    ("parallel.dp=2", "parallel.dp × parallel.tp = 2 × 2 = 4, but the world size is 2"),
+])
+def test_config_errors_name_the_key(override, message):
+    result = check_config(override, "--world-size", "2")
+    assert result.returncode != 0
+    assert f"config error: {message}" in result.stderr
+
+
+def test_overrides_and_flags_apply():
+    result = check_config("train.steps=7", "model.tie_embeddings=true", "--norm", "torch",
+                          "--compile", "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    for line in ("steps = 7", "tie_embeddings = true", 'norm = "torch"', "compile = true"):
+        assert line in result.stdout.splitlines()
+
+
+def test_launcher_rejects_bad_config_before_starting():
+    result = launch("train.sh", TINY, "parallel.dp=2", timeout=60)
+    assert result.returncode != 0
+    assert "config error: parallel.dp × parallel.tp" in result.stderr
+    assert "step" not in result.stdout
