@@ -15,7 +15,7 @@ Reported per variant: forward and backward time per step (backward includes the 
 norm-grad collectives per step and, on GPUs, their kernel time and the part of it not overlapped by
 compute kernels (exposed), from one torch.profiler step. The sequence-parallel linears communicate with
 all-gather/reduce-scatter and the loss is local, so every all-reduce in a step is a norm-grad one.
-NCCL on GPUs (hidden 4096 by default), gloo on CPU (a tiny model).
+NCCL on GPUs (hidden 4096 by default), gloo on CPU (a tiny model, one timed step: a smoke run).
 """
 
 import argparse
@@ -132,8 +132,8 @@ def profile_step(model, variant, batches, sync, cuda: bool) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         step(model, variant, batches, sync)
-    if not cuda:  # gloo runs collectives on its own threads: count them, overlap is a GPU-timeline notion
-        count = sum(1 for e in prof.events() if e.name == "gloo:all_reduce")
+    if not cuda:  # gloo emulates reduce-scatter with all-reduces: count the c10d all-reduce ops instead
+        count = sum(1 for e in prof.events() if e.name == "c10d::allreduce_")
         return {"norm_grad_collectives_per_step": count, "norm_grad_collective_ms": None, "exposed_ms": None}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -180,8 +180,8 @@ def parse_args():
     p.add_argument("--seq", type=int, default=None, help="default: 4096 on GPU, 16 on CPU")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="timed steps; default: 3 on GPU, 1 on CPU")
+    p.add_argument("--warmup", type=int, default=None, help="default: 2 on GPU, 0 on CPU")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
@@ -198,6 +198,8 @@ def main():
     args.hidden = args.hidden or (4096 if cuda else 64)
     args.ffn = args.ffn or 4 * args.hidden
     args.seq = args.seq or (4096 if cuda else 16)
+    args.steps = args.steps or (3 if cuda else 1)
+    args.warmup = args.warmup if args.warmup is not None else (2 if cuda else 0)
     args.dtype = torch.bfloat16 if cuda else torch.float32
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if args.seq % mesh.size():
