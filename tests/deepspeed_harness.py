@@ -128,7 +128,8 @@ def mean_over_ranks(value: float, device, group=None) -> float:
 
 
 def full_params(model: nn.Module) -> dict:
-    """name -> full value of every parameter (gathered under ZeRO-3), in torch.nn terms (scale 1 + w if zero-centered)."""
+    """name -> full value of every parameter (gathered under ZeRO-3), in torch.nn terms
+    (a zero-centered norm's weight w as its scale 1 + w)."""
     from deepspeed.runtime.zero import GatheredParameters
     from shardnorm.deepspeed.conversion import shardnorm_modules
 
