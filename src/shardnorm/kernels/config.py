@@ -1,14 +1,14 @@
 """Launch heuristics for the norm kernels, all in one place.
 
-Everything here is keyed on the hidden size N and the activation element size only, never on the
-number of rows M, so a new batch or sequence length never triggers a Triton recompilation (M is a
+Everything here is keyed on the hidden size N (and, for the backward, on how many partial sums it
+keeps), never on the number of rows M, so a new batch or sequence length never triggers a Triton recompilation (M is a
 runtime argument marked `do_not_specialize`).
 
 - BLOCK_N: the column tile. While a whole row fits (N <= MAX_FUSED_N) it is next_pow2(N) and the
-  kernels run one pass over x/dy (SINGLE_PASS); above that the row is walked in BLOCK_N chunks and
-  re-read from L2 in a second loop instead of spilling registers.
-- BLOCK_M: rows per tile, so that small-N tiles still move ~16-32 KB per iteration.
-- num_warps: grows with the tile so each thread holds a bounded number of elements.
+  kernels run one pass over x/dy (SINGLE_PASS); above that the row is walked in BLOCK_N chunks,
+  once for the row statistics and again to write, instead of spilling registers.
+- BLOCK_M: rows per tile; num_warps grows with the tile so each thread holds a bounded number of
+  elements.
 - Backward is persistent: `bwd_programs` programs walk the row blocks grid-stride, each keeping its
   dgamma/dbeta partial sum in registers, then write one fp32 row of the [P, N] partial buffer. Its
   one-pass limit depends on how many partial sums (dgamma, dbeta) stay live in registers.
@@ -24,11 +24,6 @@ import triton
 # Largest row kept in registers in one pass (elements). Above it the chunked path runs.
 MAX_FUSED_N_FWD = 32768
 MAX_FUSED_N_BWD = {0: 16384, 1: 16384, 2: 8192}  # by the number of partial sums (dgamma, dbeta)
-# Chunk width of the chunked (large-N) path.
-CHUNK_N = 4096
-# Elements per tile that the tile-size heuristics aim for.
-TILE_ELEMENTS_FWD = 8192
-TILE_ELEMENTS_BWD = 4096
 # SM count used where there is no CUDA device (TRITON_INTERPRET on CPU tensors).
 INTERPRETER_SM_COUNT = 4
 
@@ -40,23 +35,33 @@ class TileConfig:
     num_warps: int
     single_pass: bool
     programs_per_sm: int = 2  # persistent backward programs per SM
+    num_stages: int = 1  # software-pipelining depth of the row-block and chunk loops
 
 
-def _tile(n: int, max_fused: int, tile_elements: int) -> TileConfig:
-    single_pass = n <= max_fused
-    block_n = triton.next_power_of_2(n) if single_pass else CHUNK_N
-    block_m = max(1, min(16, tile_elements // block_n))
-    elements = block_m * block_n
-    num_warps = 4 if elements <= 4096 else 8 if elements <= 8192 else 16
-    return TileConfig(block_m, block_n, num_warps, single_pass)
+# Chunked (large-N) paths. Backward: 8 rows x 1024 columns per tile amortizes the read-modify-write
+# of the program's own partial row over 8 rows; pipelined 2 deep (sweep on H100, NOTES.md).
+FWD_CHUNKED = TileConfig(block_m=1, block_n=4096, num_warps=8, single_pass=False, num_stages=2)
+BWD_CHUNKED = TileConfig(block_m=8, block_n=1024, num_warps=4, single_pass=False, programs_per_sm=2, num_stages=2)
 
 
 def fwd_config(n: int) -> TileConfig:
-    return _tile(n, MAX_FUSED_N_FWD, TILE_ELEMENTS_FWD)
+    if n > MAX_FUSED_N_FWD:
+        return FWD_CHUNKED
+    block_n = triton.next_power_of_2(n)
+    # Small rows: several per program so each moves >= 16 KB.
+    return TileConfig(block_m=max(1, min(8, 8192 // block_n)), block_n=block_n,
+                      num_warps=8 if block_n <= 8192 else 16, single_pass=True)
 
 
 def bwd_config(n: int, num_partials: int) -> TileConfig:
-    return _tile(n, MAX_FUSED_N_BWD[num_partials], TILE_ELEMENTS_BWD)
+    if n > MAX_FUSED_N_BWD[num_partials]:
+        return BWD_CHUNKED
+    block_n = triton.next_power_of_2(n)
+    # One row per iteration (the dgamma/dbeta accumulators already fill the registers), more
+    # persistent programs per SM for small rows to keep enough loads in flight.
+    return TileConfig(block_m=1, block_n=block_n, num_warps=4 if block_n <= 1024 else 8 if block_n <= 8192 else 16,
+                      single_pass=True, programs_per_sm=4 if block_n <= 4096 else 2,
+                      num_stages=2 if block_n <= 1024 else 1)
 
 
 def bwd_programs(cfg: TileConfig, num_row_blocks: int, sm_count: int) -> int:
