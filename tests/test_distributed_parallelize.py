@@ -65,6 +65,7 @@ def _train(rank, world_size, seed):
     model = Stack()
     model.load_state_dict(ref.state_dict())
     parallelize_module(model, mesh, PLAN)
+    assert all(getattr(p, "sequence_parallel", False) == ("norm" in name) for name, p in model.named_parameters())
     reducer = attach_reducer(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
     for step in range(STEPS):

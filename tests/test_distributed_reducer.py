@@ -181,6 +181,23 @@ def _process_group_mode(rank, world_size, seed):
             assert rel_err(grad, r.grad) <= TOL, f"process-group mode, reducer={with_reducer}: {name}"
 
 
+def _mixed_precision(mesh, seed):
+    """bf16 activations and params: grads are summed in fp32 and land in `.grad` as bf16 Replicate DTensors."""
+    ref, model = _models(mesh, seed)
+    model.to(torch.bfloat16)
+    attach_reducer(model)
+    for mb in range(MICRO_BATCHES):
+        x, dy = _data()
+        with shardnorm.accumulate(model) if mb < MICRO_BATCHES - 1 else nullcontext():
+            xd = distribute_tensor(x.bfloat16(), mesh, [Shard(1)])
+            (model(xd).float() * distribute_tensor(dy, mesh, [Shard(1)])).sum().full_tensor().backward()
+        (ref(x) * dy).sum().backward()
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad.dtype == torch.bfloat16 and p.grad.placements == (Replicate(),), name
+        err = rel_err(p.grad.full_tensor(), r.grad)
+        assert err <= 3e-2, f"bf16: {name}.grad rel err {err:.2e} against the fp32 model"
+
+
 def _errors(mesh):
     h = HIDDEN
     x = distribute_tensor(torch.randn(2, 8, h), mesh, [Shard(1)])
@@ -212,6 +229,7 @@ def _cases(rank, world_size, seed):
     _explicit_finalize(mesh, counter, seed)
     _graph_changes(mesh, counter, seed)
     _process_group_mode(rank, world_size, seed)
+    _mixed_precision(mesh, seed)
     _errors(mesh)
 
 

@@ -65,7 +65,7 @@ class NormGradReducer:
         self._staged: list[_Slot] = []  # seen but not yet laid out in a bucket
         self._late: list[tuple[_Slot, torch.Tensor]] = []  # arrived after their bucket was launched
         self._per_layer: list[tuple[object, torch.Tensor, list[_Slot]]] = []
-        self._in_backward = False
+        self._backward_task: int | None = None  # autograd graph task whose end we wait for
         self._syncing = False
 
     def bind(self, params) -> None:
@@ -87,8 +87,9 @@ class NormGradReducer:
 
     def add(self, params: list, grads: list[torch.Tensor], group) -> None:
         """Add one norm call's local fp32 weight/bias grads (partial sums over this rank's tokens)."""
-        if not self._in_backward:
-            self._begin_backward()
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:  # the first grad of this backward pass
+            self._begin_backward(task)
         slots = [self._slot(p, g, group) for p, g in zip(params, grads)]
         for s in slots:
             s.count += 1
@@ -119,15 +120,15 @@ class NormGradReducer:
                              f"two different process groups; use one reducer per shard group")
         return slot
 
-    def _begin_backward(self) -> None:
-        self._in_backward = True
+    def _begin_backward(self, task: int) -> None:
+        self._backward_task = task
         self._syncing = not self.accumulating
         for b in self.buckets:
             b.pending = sum(s.expected for s in b.slots)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        self._in_backward = False
+        self._backward_task = None
         for s in self._slots.values():
             if s.count:
                 s.expected, s.count = s.count, 0
