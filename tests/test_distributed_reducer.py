@@ -198,6 +198,14 @@ def _mixed_precision(mesh, seed):
         assert err <= 3e-2, f"bf16: {name}.grad rel err {err:.2e} against the fp32 model"
 
 
+def _multi_dim_normalized_shape(mesh):
+    """normalized_shape (seq, hidden) with x sharded on seq: a hidden-sharded norm over two dims."""
+    x = torch.randn(2, 8, HIDDEN)
+    y = shardnorm.layer_norm(distribute_tensor(x, mesh, [Shard(1)]), (8, HIDDEN))
+    assert y.placements == (Shard(1),)
+    assert rel_err(y.full_tensor(), torch.nn.functional.layer_norm(x, (8, HIDDEN))) <= TOL
+
+
 def _errors(mesh):
     h = HIDDEN
     x = distribute_tensor(torch.randn(2, 8, h), mesh, [Shard(1)])
@@ -213,6 +221,10 @@ def _errors(mesh):
                              distribute_tensor(torch.randn(h), mesh, [Shard(0)]), replicated)
     with pytest.raises(ValueError, match=r"residual must be a DTensor on x's mesh with x's placements"):
         shardnorm.add_rms_norm(x, distribute_tensor(torch.randn(2, 8, h), mesh, [Shard(0)]), (h,), replicated)
+    with pytest.raises(ValueError, match=r"normalized_shape \[32\] does not match the trailing dims"):
+        shardnorm.rms_norm(x, (2 * h,))
+    with pytest.raises(ValueError, match=r"eps must be >= 0"):
+        shardnorm.rms_norm(x, (h,), eps=-1.0)
     with pytest.raises(ValueError, match=r"weight is a plain torch.Tensor"):
         shardnorm.rms_norm(x, (h,), torch.randn(h, requires_grad=True))
     with pytest.raises(ValueError, match=r"reduce must be 'bucketed' or 'per_layer'"):
@@ -230,6 +242,7 @@ def _cases(rank, world_size, seed):
     _graph_changes(mesh, counter, seed)
     _process_group_mode(rank, world_size, seed)
     _mixed_precision(mesh, seed)
+    _multi_dim_normalized_shape(mesh)
     _errors(mesh)
 
 

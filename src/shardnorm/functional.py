@@ -65,7 +65,7 @@ def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool
         from .distributed.dtensor import norm_dtensor
 
         return norm_dtensor(x, weight, bias, residual, eps if eps is not None else torch.finfo(x.dtype).eps,
-                            rms, zero_centered)
+                            rms, zero_centered, normalized_shape=shape)
     eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
     _check(x, residual, shape, weight, bias, eps)
     n = math.prod(shape)

@@ -15,9 +15,13 @@ from shardnorm.distributed.hidden_sharded import HiddenShardedNorm
 from shardnorm.distributed.layout import NormLayout, global_normalized_numel, norm_layout
 
 
-def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
-    """Normalize DTensor `x` (plus `residual`) over its trailing dims; returns (y, x + residual or None)."""
-    layout = norm_layout(x, weight, bias, residual)
+def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero_centered: bool,
+                 normalized_shape=None):
+    """Normalize DTensor `x` (plus `residual`) over its trailing `normalized_shape` dims (default: the
+    weight's shape, else the last dim); returns (y, x + residual or None) as DTensors like x."""
+    if not eps >= 0:  # also rejects NaN
+        raise ValueError(f"shardnorm: eps must be >= 0, got {eps}")
+    layout = norm_layout(x, weight, bias, residual, normalized_shape)
     x_local = x.to_local()
     x2d = _rows(x_local, layout)
     r2d = _rows(residual.to_local(), layout) if residual is not None else None
