@@ -163,8 +163,10 @@ def validate(cfg: Config) -> None:
            f"({m.max_seq_len})")
     _check(p.dp == -1 or p.dp > 0, "parallel.dp", f"must be positive or -1, got {p.dp}")
     for key, value in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
-                       ("data.seq_len", d.seq_len), ("vocabulary size", VOCAB_SIZE)]:
+                       ("data.seq_len", d.seq_len)]:
         _check(value % p.tp == 0, key, f"{value} is not divisible by parallel.tp ({p.tp})")
+    _check(VOCAB_SIZE % p.tp == 0, "parallel.tp", f"{p.tp} does not divide the byte vocabulary "
+           f"({VOCAB_SIZE})")
     _check(p.engine != "deepspeed" or p.tp == 1, "parallel.tp",
            "must be 1 with parallel.engine = deepspeed (DeepSpeed runs data parallel only here)")
     _check(p.engine != "deepspeed" or Path(p.deepspeed_config).is_file(),

@@ -16,7 +16,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 from shardnorm.distributed import SequenceParallelNorm, attach_reducer
-
 from parallel.config import TrainConfig
 from parallel.model import Transformer
 
@@ -24,6 +23,11 @@ from parallel.model import Transformer
 def norm_style(norm: str):
     """shardnorm's style routes the tp-partial norm grads to its reducer; torch's leaves `Partial`."""
     return SequenceParallelNorm() if norm == "shardnorm" else SequenceParallel()
+
+
+def uses_norm_reducer(norm: str, tp: int) -> bool:
+    """shardnorm's reducer owns the tp reduction of sequence-parallel shardnorm norm grads."""
+    return norm == "shardnorm" and tp > 1
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, norm: str) -> None:
@@ -78,6 +82,6 @@ def parallelize(model: Transformer, mesh: DeviceMesh, train: TrainConfig) -> nn.
     if train.compile:
         apply_compile(model)
     apply_fsdp(model, mesh["dp"], getattr(torch, train.dtype))
-    if mesh["tp"].size() > 1 and train.norm == "shardnorm":
+    if uses_norm_reducer(train.norm, mesh["tp"].size()):
         attach_reducer(model)
     return model

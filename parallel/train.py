@@ -19,7 +19,7 @@ from parallel.data import BatchSampler, load_tokens
 from parallel.engines import DeepSpeedEngine, TorchEngine
 from parallel.metrics import MetricsLogger, logger, setup_logging
 from parallel.model import build_model
-from parallel.parallelize import parallelize
+from parallel.parallelize import parallelize, uses_norm_reducer
 from parallel.runtime import Runtime, init_runtime, shutdown
 
 
@@ -38,7 +38,7 @@ def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
                                cfg.data.batch_size), runtime.rank
     mesh = init_device_mesh(runtime.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     engine = TorchEngine(parallelize(model, mesh, cfg.train), cfg.train,
-                         norm_reducer=cfg.train.norm == "shardnorm" and tp > 1)
+                         norm_reducer=uses_norm_reducer(cfg.train.norm, tp))
     return engine, mesh["dp"].get_local_rank()
 
 

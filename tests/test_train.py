@@ -19,7 +19,9 @@ TINY = "configs/tiny_cpu.toml"
 
 
 def launch(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("SHARDNORM_BACKEND", "NPROC")}
+    # the launcher picks devices and backends itself (conftest sets TRITON_INTERPRET for kernels)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHARDNORM_BACKEND", "TRITON_INTERPRET", "NPROC")}
     return subprocess.run(["bash", f"launch/{script}", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
