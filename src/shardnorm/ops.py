@@ -4,8 +4,9 @@ them without graph breaks.
 `shardnorm::norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
 `shardnorm::norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)`
 work on 2-D [M, N] tensors whose last dim is contiguous. Absent outputs (z without a residual, mean
-for RMSNorm, dw/db without weight/bias) are empty tensors. dw/db are fp32 (the fixed-order reduction
-of the kernel's fp32 partial sums); autograd casts them to the parameters' dtype.
+for RMSNorm, dw/db without weight/bias) are empty tensors. dw/db come in the weight's dtype: the
+kernel's fp32 partial sums, reduced in fp32 in a fixed order, rounded once (so no cast kernel
+follows; the distributed reducer passes fp32 weights to get fp32 grads).
 
 Backend: CUDA tensors run the Triton kernels, others the torch reference; SHARDNORM_BACKEND=triton or
 =torch forces one (Triton on CPU tensors needs TRITON_INTERPRET=1).
@@ -62,7 +63,8 @@ def norm_bwd(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Ten
 @norm_bwd.register_fake
 def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
     N = src.shape[1]
-    grad = lambda present: src.new_empty(N if present else 0, dtype=torch.float32)  # noqa: E731
+    dtype = weight.dtype if weight is not None else torch.float32
+    grad = lambda present: src.new_empty(N if present else 0, dtype=dtype)  # noqa: E731
     return src.new_empty(src.shape), grad(weight is not None), grad(has_bias)
 
 

@@ -49,6 +49,7 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     dx = dx * rstd[:, None]
     if dz is not None:
         dx = dx + dz.float()
-    dweight = (dyf * xhat).sum(0) if weight is not None else dyf.new_empty(0)
-    dbias = dyf.sum(0) if has_bias else dyf.new_empty(0)
+    param_dtype = weight.dtype if weight is not None else torch.float32
+    dweight = (dyf * xhat).sum(0).to(param_dtype) if weight is not None else dyf.new_empty(0)
+    dbias = dyf.sum(0).to(param_dtype) if has_bias else dyf.new_empty(0)
     return dx.to(src.dtype), dweight, dbias

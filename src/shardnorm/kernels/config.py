@@ -17,6 +17,7 @@ runtime argument marked `do_not_specialize`).
 `benchmarks/NOTES.md` records what was measured and why these values.
 """
 
+import functools
 from dataclasses import dataclass
 
 import triton
@@ -44,22 +45,25 @@ FWD_CHUNKED = TileConfig(block_m=1, block_n=4096, num_warps=8, single_pass=False
 BWD_CHUNKED = TileConfig(block_m=8, block_n=1024, num_warps=4, single_pass=False, programs_per_sm=2, num_stages=2)
 
 
+@functools.lru_cache(maxsize=None)
 def fwd_config(n: int) -> TileConfig:
     if n > MAX_FUSED_N_FWD:
         return FWD_CHUNKED
     block_n = triton.next_power_of_2(n)
-    # Small rows: several per program so each moves >= 16 KB.
-    return TileConfig(block_m=max(1, min(8, 8192 // block_n)), block_n=block_n,
+    # Small rows: several per program so each tile holds 8K elements (QK-norm rows of 64-256 too).
+    return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n,
                       num_warps=8 if block_n <= 8192 else 16, single_pass=True)
 
 
+@functools.lru_cache(maxsize=None)
 def bwd_config(n: int, num_partials: int) -> TileConfig:
     if n > MAX_FUSED_N_BWD[num_partials]:
         return BWD_CHUNKED
     block_n = triton.next_power_of_2(n)
-    # One row per iteration (the dgamma/dbeta accumulators already fill the registers), more
-    # persistent programs per SM for small rows to keep enough loads in flight.
-    return TileConfig(block_m=1, block_n=block_n, num_warps=4 if block_n <= 1024 else 8 if block_n <= 8192 else 16,
+    # From N = 1024 up one row per iteration (the dgamma/dbeta accumulators already fill the
+    # registers); below, rows up to 1K elements a tile. More persistent programs per SM for small
+    # rows keep enough loads in flight.
+    return TileConfig(block_m=max(1, 1024 // block_n), block_n=block_n, num_warps=4 if block_n <= 1024 else 8 if block_n <= 8192 else 16,
                       single_pass=True, programs_per_sm=4 if block_n <= 4096 else 2,
                       num_stages=2 if block_n <= 1024 else 1)
 

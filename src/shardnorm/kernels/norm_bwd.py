@@ -7,6 +7,8 @@ writes it even when it got no rows. `column_sum_kernel` then reduces that buffer
 order. Together: deterministic (bitwise repeatable), no atomics, no locks.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -54,7 +56,8 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
                     stride_src, stride_dy, stride_dz, stride_dx, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_blocks = tl.cdiv(M, BLOCK_M)
@@ -66,7 +69,7 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
         col_mask = cols < N
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for block in range(pid, num_blocks, num_programs):
+        for block in tl.range(pid, num_blocks, num_programs, num_stages=NUM_STAGES):
             rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
             row_mask = rows < M
             rows64 = rows.to(tl.int64)
@@ -101,7 +104,7 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
             rows64 = rows.to(tl.int64)
             c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
             c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
+            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < N
                 mask = row_mask[:, None] & col_mask[None, :]
@@ -111,7 +114,7 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
                 c2 += tl.sum(wdy, axis=1)
             c1 = c1 / N
             c2 = c2 / N
-            for start in range(0, N, BLOCK_N):
+            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < N
                 mask = row_mask[:, None] & col_mask[None, :]
@@ -128,8 +131,9 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
 
 @triton.jit
 def column_sum_kernel(PARTIAL, OUT_W, OUT_B, P, N, K, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Column k of the [P, K] partials, summed over P always in the same order (fixed tiles, fixed
-    tree), goes to OUT_W[k] for k < N and OUT_B[k - N] above (dgamma and dbeta in one launch)."""
+    """Column k of the [P, K] partials, summed in fp32 over P always in the same order (fixed tiles,
+    fixed tree), goes to OUT_W[k] for k < N and OUT_B[k - N] above (dgamma and dbeta in one launch),
+    rounded once to the output's dtype (the parameter's)."""
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_mask = cols < K
     acc = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
@@ -138,9 +142,10 @@ def column_sum_kernel(PARTIAL, OUT_W, OUT_B, P, N, K, BLOCK_P: tl.constexpr, BLO
         mask = (rows < P)[:, None] & col_mask[None, :]
         acc += tl.load(PARTIAL + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     out = tl.where(cols < N, OUT_W + cols, OUT_B + (cols - N))
-    tl.store(out, tl.sum(acc, axis=0), mask=col_mask)
+    tl.store(out, tl.sum(acc, axis=0).to(OUT_W.dtype.element_ty), mask=col_mask)
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return config.INTERPRETER_SM_COUNT
@@ -148,7 +153,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
-    """Launch the backward on 2-D tensors. Returns dx (src's dtype) and fp32 dweight, dbias."""
+    """Launch the backward on 2-D tensors. Returns dx (src's dtype) and dweight, dbias in the
+    weight's dtype (fp32 without a weight), reduced in fp32."""
     M, N = src.shape
     dx = torch.empty((M, N), dtype=src.dtype, device=src.device)
     num_grads = int(weight is not None) + int(has_bias)
@@ -160,11 +166,12 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
         src.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0), M, N,
         IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DZ=dz is not None,
         ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps,
+        SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
     # dgamma, dbeta: separate tensors (custom-op outputs may not alias); with no weight the
     # partial columns hold dbeta only, so OUT_W gets them.
-    dweight, dbias = (torch.empty(N if present else 0, dtype=torch.float32, device=src.device)
+    param_dtype = weight.dtype if weight is not None else torch.float32
+    dweight, dbias = (torch.empty(N if present else 0, dtype=param_dtype, device=src.device)
                       for present in (weight is not None, has_bias))
     if num_grads:
         block_k = 256

@@ -52,7 +52,8 @@ def norm_fwd_kernel(X, RES, W, B, Y, Z, MEAN, RSTD,
                     stride_x, stride_res, stride_y, stride_z, M, N, eps,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows64 = rows.to(tl.int64)
@@ -76,7 +77,7 @@ def norm_fwd_kernel(X, RES, W, B, Y, Z, MEAN, RSTD,
         # large N and large means); z is written here. Pass 2: re-read (from L2) and normalize.
         mean = tl.zeros([BLOCK_M], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
@@ -94,7 +95,7 @@ def norm_fwd_kernel(X, RES, W, B, Y, Z, MEAN, RSTD,
                 mean += delta * (count / total)
                 m2 += chunk_m2 + delta * delta * (seen * count / total)
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
@@ -125,6 +126,6 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
         IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        num_warps=cfg.num_warps,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return y, z, mean, rstd
