@@ -1,11 +1,12 @@
 """Where the run executes: process group, device, peak memory, and a synchronizing clock.
 
-NCCL on cuda:LOCAL_RANK when CUDA is available, gloo on CPU otherwise. Started without torchrun
-(no RANK in the environment) it runs as a single process of a world of one.
+NCCL on cuda:LOCAL_RANK when CUDA is available, gloo on CPU otherwise. Started without a launcher
+(no RANK in the environment) it runs as a world of one.
 """
 
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass
 
@@ -54,23 +55,30 @@ class Runtime:
         return t.item() / self.world_size
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_runtime(deepspeed: bool = False) -> Runtime:
     """Join the process group torchrun (or the deepspeed launcher) describes in the environment."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if "RANK" not in os.environ:  # started directly: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if "RANK" in os.environ:
-        if deepspeed:
-            import deepspeed as ds
+    if deepspeed:
+        import deepspeed as ds
 
-            ds.init_distributed()  # its own backend choice: nccl, or gloo/ccl for DS_ACCELERATOR=cpu
-        else:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    device_id=device if device.type == "cuda" else None)
+        ds.init_distributed()  # its own backend choice: nccl, or gloo/ccl for DS_ACCELERATOR=cpu
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
     return Runtime(rank, world_size, device)
 
 
