@@ -91,24 +91,24 @@ class MetricsLogger:
             self.bar.close()
         self.file.close()
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot_losses(self.out_dir / "loss.png", [r["loss"] for r in self.records],
-                    summary["norm"], reference_losses)
+        curves = {f"{summary['norm']} norms ({summary['engine']})": [r["loss"] for r in self.records]}
+        if reference_losses:
+            curves["torch norms, single process (--check)"] = reference_losses
+        plot_losses(self.out_dir / "loss.png", curves)
         logger.info(format_summary(summary))
         logger.info("wrote %s/{metrics.jsonl,summary.json,loss.png}", self.out_dir)
 
 
-def plot_losses(path: Path, losses: list[float], label: str,
-                reference: list[float] | None) -> None:
+def plot_losses(path: Path, curves: dict[str, list[float]]) -> None:
+    """One line per labelled loss curve, steps numbered from 1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    steps = range(1, len(losses) + 1)
-    ax.plot(steps, losses, label=f"{label} norms (distributed)")
-    if reference:
-        ax.plot(steps, reference, "--", label="torch norms (single process, --check)")
+    for (label, losses), style in zip(curves.items(), ["-", "--", "-.", ":"] * len(curves)):
+        ax.plot(range(1, len(losses) + 1), losses, style, label=label)
     ax.set(xlabel="step", ylabel="loss", title="training loss")
     ax.grid(alpha=0.3)
     ax.legend()

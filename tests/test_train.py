@@ -48,6 +48,13 @@ def test_default_config_trains_and_matches_single_process(tmp_path):
     assert summary["tokens_per_s"] > 0 and summary["step_time_s"] > 0
     assert summary["peak_mem_gib"] > 0
 
+    compare = subprocess.run([sys.executable, "-m", "parallel.compare", str(tmp_path), "--plot",
+                              str(tmp_path / "compare.png")], cwd=ROOT, text=True,
+                             capture_output=True)
+    assert compare.returncode == 0, compare.stderr
+    assert "| shardnorm | false | dp=1 × tp=2 | float32 |" in compare.stdout
+    assert (tmp_path / "compare.png").exists()
+
 
 @pytest.mark.distributed
 def test_data_parallel_fsdp_with_torch_norms(tmp_path):
