@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 from torch.profiler import ProfilerActivity, profile
 
 import shardnorm
@@ -221,7 +222,8 @@ def main():
             json.dump(report, f, indent=2)
         for v, r in results.items():
             print(f"{v:>20}: backward {r['backward_ms_per_step']:.1f} ms/step, "
-                  f"{r['norm_grad_collectives_per_step']} norm-grad all-reduces/step, exposed {r['exposed_ms']} ms")
+                  f"{r['norm_grad_collectives_per_step']} norm-grad all-reduces/step, "
+                  f"exposed {r['exposed_ms']} ms")
     dist.destroy_process_group()
 
 

@@ -27,7 +27,7 @@ def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero
     r2d = _rows(residual.to_local(), layout) if residual is not None else None
     # after x's to_local: autograd runs later-created nodes first, so the grads reach the reducer (and
     # may launch its bucket) before backward moves on to the previous layer
-    w, b = _local_params(weight, bias, layout)
+    w, b = (p.reshape(-1) if p is not None else None for p in _local_params(weight, bias, layout))
     if layout.hidden_mesh_dim is None:
         y, z = ops.norm(x2d, w, b, r2d, eps, rms, zero_centered)
     else:
