@@ -1,0 +1,116 @@
+"""Turn bench_kernels.py JSON into the markdown table and the GB/s-vs-N plot.
+
+    python benchmarks/report.py results/h100-2026-11-22.json [more.json] --md out.md --png out.png
+
+Cells are forward / backward GB/s; a provider whose output missed the float64 reference is marked
+"(wrong)" and never counts as the best peer. Summary: per norm and weight dtype, the backward
+geometric-mean speedup of shardnorm over the best peer at each shape, and the shapes where
+shardnorm reaches 90% of the copy bandwidth.
+"""
+
+import argparse
+import json
+import math
+from collections import defaultdict
+
+PEERS = ("torch", "torch.compile", "liger")
+
+
+def load(paths):
+    rows, meta = [], None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        meta = meta or data["meta"]
+        rows += data["rows"]
+    return meta, rows
+
+
+def cell(row) -> str:
+    if row is None:
+        return "-"
+    if "failed" in row:
+        return "fails"
+    flag = "" if row["correct"] else " (wrong)"
+    return f"{row['fwd_gbs']:.0f} / {row['bwd_gbs']:.0f}{flag}"
+
+
+def best_peer(by_provider, key):
+    ok = [r for name, r in by_provider.items() if name != "shardnorm" and r and r.get("correct")]
+    return max(ok, key=lambda r: r[key]) if ok else None
+
+
+def markdown(meta, rows) -> str:
+    groups = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        groups[(r["norm"], r["weight_dtype"])][(r["M"], r["N"])][r["provider"]] = r
+    out = [f"# Kernel benchmark: {meta['gpu']}, {meta['date']}", "",
+           f"torch {meta['torch']}, triton {meta['triton']}; device-to-device copy in the same run: "
+           f"**{meta['copy_gbs']:.0f} GB/s**. Cells: forward / backward GB/s (bf16 x and dy). "
+           f"Command: `{meta['command']}`.", ""]
+    for (norm, wdtype), shapes in sorted(groups.items()):
+        name = "RMSNorm" if norm == "rms" else "LayerNorm (with bias)"
+        out += [f"## {name}, {wdtype} weights", "",
+                "| M x N | shardnorm | fwd / bwd of copy | " + " | ".join(PEERS) + " | bwd vs best peer |",
+                "|---|---|---|" + "---|" * len(PEERS) + "---|"]
+        speedups, at_copy = [], []
+        for (m, n), by_provider in sorted(shapes.items(), key=lambda kv: (kv[0][0] != 32768, kv[0][1])):
+            ours = by_provider.get("shardnorm")
+            peer = best_peer(by_provider, "bwd_gbs")
+            ratio = ours["bwd_gbs"] / peer["bwd_gbs"] if ours and "bwd_gbs" in ours and peer else None
+            if ratio:
+                speedups.append(ratio)
+            of_copy = (f"{ours['fwd_of_copy']:.0%} / {ours['bwd_of_copy']:.0%}" if ours and "fwd_of_copy" in ours
+                       else "-")
+            if ours and "fwd_of_copy" in ours and min(ours["fwd_of_copy"], ours["bwd_of_copy"]) >= 0.9:
+                at_copy.append(n)
+            out.append(f"| {m} x {n} | {cell(ours)} | {of_copy} | "
+                       + " | ".join(cell(by_provider.get(p)) for p in PEERS)
+                       + f" | {f'{ratio:.2f}x' if ratio else '-'} |")
+        geo = math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else float("nan")
+        out += ["", f"Backward geometric-mean speedup over the best correct peer: **{geo:.2f}x**; "
+                f"forward and backward both >= 90% of copy at N = {at_copy or 'none'}.", ""]
+    return "\n".join(out)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    for i, norm in enumerate(("rms", "layer")):
+        for j, key in enumerate(("fwd_gbs", "bwd_gbs")):
+            ax = axes[i][j]
+            for provider in ("shardnorm",) + PEERS:
+                pts = sorted((r["N"], r[key]) for r in rows if r["provider"] == provider and r["norm"] == norm
+                             and r["M"] == 32768 and r["weight_dtype"] == "bfloat16" and key in r)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=provider)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{'RMSNorm' if norm == 'rms' else 'LayerNorm'} {'forward' if j == 0 else 'backward'}, "
+                         "M=32768, bf16")
+            ax.set_ylabel("GB/s")
+            ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("N (hidden size)")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("json", nargs="+")
+    parser.add_argument("--md", required=True)
+    parser.add_argument("--png", required=True)
+    args = parser.parse_args()
+    meta, rows = load(args.json)
+    with open(args.md, "w") as f:
+        f.write(markdown(meta, rows) + "\n")
+    plot(rows, args.png)
+
+
+if __name__ == "__main__":
+    main()
