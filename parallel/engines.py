@@ -12,9 +12,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 import shardnorm
+import shardnorm.fsdp
 from parallel.config import TrainConfig
 from parallel.metrics import logger
 
@@ -49,12 +49,8 @@ class TorchEngine:
         self.optimizer, self.scheduler = build_optimizer(model, train)
 
     def _micro_batch(self, last: bool):
-        """Neither FSDP2 (over dp) nor shardnorm's reducer (over tp) reduce before the last one."""
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(last)
-        if last or not self.norm_reducer:
-            return contextlib.nullcontext()
-        return shardnorm.accumulate(self.model)
+        """Neither FSDP (over dp) nor shardnorm's reducer (over tp) reduce before the last one."""
+        return contextlib.nullcontext() if last else shardnorm.fsdp.no_sync(self.model)
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         total = 0.0

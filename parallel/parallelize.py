@@ -10,14 +10,15 @@ tokens, which the norm's ParallelStyle makes sure are reduced exactly once.
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from shardnorm.distributed import SequenceParallelNorm, attach_reducer
+from shardnorm.distributed import SequenceParallelNorm
+from shardnorm.distributed.fsdp import shard_model
 from parallel.config import TrainConfig
-from parallel.model import Transformer
+from parallel.model import Block, Transformer
 
 
 def norm_style(norm: str):
@@ -56,12 +57,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, norm: str) ->
         })
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, dtype: torch.dtype) -> None:
-    """One FSDP unit per block, the root unit holds embeddings, final norm and output."""
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, dtype: torch.dtype) -> None:
+    """One FSDP unit per block, the root unit holds embeddings, final norm and output; FSDP reduces
+    over dp, shardnorm's reducer the sequence-parallel norm grads over tp (shardnorm.fsdp)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    shard_model(model, mesh, block_classes=(Block,), mp_policy=mp_policy)
 
 
 def materialize_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,5 @@ def parallelize(model: Transformer, mesh: DeviceMesh, train: TrainConfig) -> nn.
         apply_tensor_parallel(model, mesh["tp"], train.norm)
     if train.compile:
         apply_compile(model)
-    apply_fsdp(model, mesh["dp"], getattr(torch, train.dtype))
-    if uses_norm_reducer(train.norm, mesh["tp"].size()):
-        attach_reducer(model)
+    apply_fsdp(model, mesh, getattr(torch, train.dtype))
     return model

@@ -26,11 +26,9 @@ def load_config(name: str) -> dict:
     return json.loads((CONFIGS / name).read_text())
 
 
-def use_test_device(rank: int) -> torch.device:
-    """Inside a spawned rank: the device to train on, with deepspeed.comm set up on the default group
-    (on CUDA first replaced by an NCCL one, each rank on its local GPU)."""
-    import deepspeed
-
+def init_test_device(rank: int) -> torch.device:
+    """Inside a spawned rank: the device to run on; on CUDA the default group is first replaced by an
+    NCCL one, each rank on its local GPU (also used by the FSDP tests)."""
     device = torch.device("cpu")
     if DEVICE == "cuda":
         device = torch.device("cuda", rank)
@@ -39,6 +37,14 @@ def use_test_device(rank: int) -> torch.device:
         world_size = dist.get_world_size()
         dist.destroy_process_group()
         dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    return device
+
+
+def use_test_device(rank: int) -> torch.device:
+    """`init_test_device`, with deepspeed.comm set up on the default group."""
+    import deepspeed
+
+    device = init_test_device(rank)
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     return device
 

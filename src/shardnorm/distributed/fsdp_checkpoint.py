@@ -1,0 +1,74 @@
+"""`torch.distributed.checkpoint` save/load for FSDP models with shardnorm norms, mid-step safe.
+
+A checkpoint holds params and optimizer state, never grads. Taken between the micro-batches of a
+step, it would silently drop the grads accumulated so far (FSDP's unsharded grads, shardnorm's
+pending fp32 partial sums), so `save` refuses then, on every rank, naming what is pending: save
+after `optimizer.step()` and `zero_grad()`.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+from shardnorm.distributed.accumulation import _ATTR as _REDUCER_ATTR
+
+
+def _nonzero(grad) -> bool:
+    if grad is None:
+        return False
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    return bool(local.count_nonzero())
+
+
+def pending_grads(model: nn.Module) -> list[str]:
+    """What on this rank holds accumulated grads that a checkpoint would lose (parameter names)."""
+    pending = [name for name, p in model.named_parameters() if _nonzero(p.grad)]
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if fsdp_param.unsharded_accumulated_grad is not None or \
+                        unsharded is not None and unsharded.grad is not None:
+                    pending.append(f"{fsdp_param._param_fqn} (FSDP no-sync grad)")
+    reducer = getattr(model, _REDUCER_ATTR, None)
+    if reducer is not None and reducer.has_pending:
+        pending.append("shardnorm's norm-grad buffer")
+    return pending
+
+
+def _refuse_if_pending(model: nn.Module) -> None:
+    pending = pending_grads(model)
+    flag = torch.tensor([len(pending)], dtype=torch.int64)
+    if dist.is_initialized():  # every rank raises, or none: no rank left waiting in dcp.save
+        device = next(model.parameters()).device
+        flag = flag.to(device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        shown = ", ".join(pending[:4]) + (" ..." if len(pending) > 4 else "") if pending else "on another rank"
+        raise RuntimeError(f"shardnorm: refusing to checkpoint in the middle of gradient accumulation: "
+                           f"accumulated grads would be lost ({shown}); save after optimizer.step() and "
+                           f"optimizer.zero_grad()")
+
+
+def save(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         extra: dict | None = None) -> None:
+    """Save the sharded model (and optimizer) state with DCP; `extra`: more state (e.g. a scheduler)."""
+    _refuse_if_pending(model)
+    model_state, optim_state = get_state_dict(model, optimizer or [])
+    state = {"model": model_state, **({"optim": optim_state} if optimizer else {}), **(extra or {})}
+    dcp.save(state, checkpoint_id=checkpoint_id)
+
+
+def load(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         extra: dict | None = None) -> None:
+    """Load in place what `save` wrote into a model sharded the same way (and its optimizer, `extra`)."""
+    model_state, optim_state = get_state_dict(model, optimizer or [])
+    state = {"model": model_state, **({"optim": optim_state} if optimizer else {}), **(extra or {})}
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    set_state_dict(model, optimizer or [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))

@@ -1,0 +1,80 @@
+"""Shared pieces of the FSDP tests: the main job's Llama-style model and engine at a tiny size, fresh
+random token batches, the single-process reference run and full-parameter comparison.
+
+Device: as for the DeepSpeed tests (`deepspeed_harness.DEVICE`, `init_test_device`): gloo on CPU, or
+NCCL on CUDA with SHARDNORM_TEST_DEVICE=cuda and >= 2 GPUs.
+"""
+
+import torch
+import torch.distributed as dist
+from conftest import rel_err
+from deepspeed_harness import DEVICE, init_test_device  # noqa: F401 (re-exported for the tests)
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from parallel.config import ModelConfig, TrainConfig
+from parallel.engines import TorchEngine
+from parallel.model import build_model
+
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+TRAIN = TrainConfig(steps=3, grad_accum=2, lr=1e-2, warmup_steps=1, max_grad_norm=0.0)
+SEQ, ROWS = 8, 2  # tokens per sequence; sequences per data-parallel rank and micro-batch
+TOL = 1e-5
+
+
+def make_model(seed: int, device, norm: str = "shardnorm") -> nn.Module:
+    """The main job's model with random (not ones) norm weights, identical on every rank."""
+    model = build_model(CFG, norm, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.RMSNorm):
+                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+    return model
+
+
+def token_batches(seed: int, dp: int, steps: int = TRAIN.steps) -> list:
+    """[step][micro-batch] -> (inputs, targets) of the global batch: ROWS * dp fresh random sequences."""
+    g = torch.Generator().manual_seed(seed + 2)
+    windows = torch.randint(256, (steps, TRAIN.grad_accum, ROWS * dp, SEQ + 1), generator=g)
+    return [[(w[:, :-1], w[:, 1:]) for w in step] for step in windows]
+
+
+def rank_rows(step: list, dp_rank: int, device) -> list:
+    rows = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+    return [(x[rows].to(device), y[rows].to(device)) for x, y in step]
+
+
+def train(engine: TorchEngine, batches: list, dp_rank: int, device) -> list[float]:
+    """Losses of the global batch (mean over all ranks: equal rows per data-parallel rank)."""
+    losses = []
+    for step in batches:
+        loss = torch.tensor([engine.step(rank_rows(step, dp_rank, device))], dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        losses.append(loss.item())
+    return losses
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """name -> full (unsharded) value, for plain, FSDP1 and FSDP2 models alike."""
+    options = StateDictOptions(full_state_dict=True) if dist.is_initialized() else None
+    return {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def reference(seed: int, batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same steps in this process alone, on the whole global batch."""
+    model = make_model(seed, "cpu")
+    engine = TorchEngine(model, TRAIN)
+    losses = [engine.step(step) for step in batches]
+    return losses, full_params(model)
+
+
+def assert_matches(what: str, losses, params, ref_losses, ref_params, tol: float = TOL) -> None:
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= tol * abs(b), f"{what}: step {step + 1} loss {a} vs {b}"
+    assert params.keys() == ref_params.keys(), f"{what}: {sorted(params)} vs {sorted(ref_params)}"
+    for name, value in params.items():
+        err = rel_err(value, ref_params[name])
+        assert err <= tol, f"{what}: {name} rel err {err:.2e} after {len(losses)} steps"
