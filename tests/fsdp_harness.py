@@ -11,13 +11,17 @@ from conftest import rel_err
 from deepspeed_harness import DEVICE, init_test_device  # noqa: F401 (re-exported for the tests)
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+import shardnorm
+import shardnorm.fsdp
 
 from parallel.config import ModelConfig, TrainConfig
-from parallel.engines import TorchEngine
+from parallel.engines import TorchEngine, cross_entropy
 from parallel.model import build_model
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
-TRAIN = TrainConfig(steps=3, grad_accum=2, lr=1e-2, warmup_steps=1, max_grad_norm=0.0)
+TRAIN = TrainConfig(steps=3, grad_accum=2, lr=2e-3, warmup_steps=1, max_grad_norm=0.0)
 SEQ, ROWS = 8, 2  # tokens per sequence; sequences per data-parallel rank and micro-batch
 TOL = 1e-5
 
@@ -57,6 +61,24 @@ def train(engine: TorchEngine, batches: list, dp_rank: int, device) -> list[floa
     return losses
 
 
+def step_grads(model: nn.Module, micro_batches: list) -> dict[str, torch.Tensor]:
+    """name -> full grad after one step's micro-batches (as TorchEngine runs them), then zeroed.
+
+    Checked apart from the params because Adam's update hides a grad scaled by a constant (e.g. a
+    norm grad reduced twice). Plain or FSDP2 models."""
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with shardnorm.fsdp.no_sync(model) if not last else torch.enable_grad():
+            (cross_entropy(model(x), y) / len(micro_batches)).backward()
+    shardnorm.finalize_grads(model)
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name] = grad.detach().cpu()
+        p.grad = None
+    return grads
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """name -> full (unsharded) value, for plain, FSDP1 and FSDP2 models alike."""
     options = StateDictOptions(full_state_dict=True) if dist.is_initialized() else None
@@ -69,6 +91,13 @@ def reference(seed: int, batches: list) -> tuple[list[float], dict[str, torch.Te
     engine = TorchEngine(model, TRAIN)
     losses = [engine.step(step) for step in batches]
     return losses, full_params(model)
+
+
+def assert_grads_match(what: str, grads: dict, ref_grads: dict, tol: float = TOL) -> None:
+    assert grads.keys() == ref_grads.keys(), f"{what}: {sorted(grads)} vs {sorted(ref_grads)}"
+    for name, grad in grads.items():
+        err = rel_err(grad, ref_grads[name])
+        assert err <= tol, f"{what}: grad of {name} rel err {err:.2e}"
 
 
 def assert_matches(what: str, losses, params, ref_losses, ref_params, tol: float = TOL) -> None:

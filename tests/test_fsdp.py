@@ -1,0 +1,231 @@
+"""shardnorm under FSDP: the main job's Llama-style model (tiny) trains like one process.
+
+dp=2 (FSDP2 and FSDP1) and dp=2 × tp=2 (FSDP2 × sequence-parallel shardnorm norms): 3 AdamW steps of 2
+micro-batches on fresh random tokens reach the single-process losses and parameters (fp32, 1e-5),
+with activation checkpointing and per-block torch.compile too; which modules become FSDP units; DCP
+save at step 2 / load into a fresh model / step 3 equals the uninterrupted run; a checkpoint in the
+middle of accumulation is refused. One spawn per world size runs every case (start-up dominates).
+"""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from fsdp_harness import (TRAIN, TorchEngine, assert_grads_match, assert_matches, full_params, init_test_device,
+                          make_model, rank_rows, reference, step_grads, token_batches, train)
+from multiprocess import spawn
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import shardnorm
+from parallel.model import Block
+from parallel.parallelize import apply_tensor_parallel, materialize_output, parallelize
+from shardnorm.distributed.fsdp import (FSDPNormGradReducer, auto_wrap_policy, find_block_classes, no_sync,
+                                        load, norm_mixed_precision, pending_grads, save, shard_model)
+
+pytestmark = pytest.mark.distributed
+MID_STEP = "refusing to checkpoint in the middle of gradient accumulation"
+
+
+def _quiet():
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message=".*sequential all_gather operations.*")
+
+
+def _checkpointed_compiled(seed, mesh, device) -> nn.Module:
+    """torchtitan's order: TP, activation checkpointing, per-block compile, FSDP (blocks detected)."""
+    model = make_model(seed, device)
+    if mesh.ndim == 2:
+        apply_tensor_parallel(model, mesh["tp"], "shardnorm")
+        model.tok_embeddings.register_forward_hook(materialize_output)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block)
+        model.layers[i].compile(backend="aot_eager")
+    return shard_model(model, mesh)
+
+
+def _units(model: nn.Module, kind) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, kind)]
+
+
+def _check_fsdp2_units(model: nn.Module, blocks: list[str]) -> None:
+    assert _units(model, FSDPModule) == [""] + blocks, _units(model, FSDPModule)
+    assert not any(isinstance(m, FSDPModule) for m in model.modules() if isinstance(m, nn.RMSNorm))
+
+
+def _check_checkpoint(seed, mesh, device, dp_rank, path, build, uninterrupted) -> None:
+    """Save after step 2, load into a fresh model (other init), step 3: same loss and params."""
+    batches = token_batches(seed, mesh["dp"].size() if mesh.ndim == 2 else mesh.size())
+    model = build(seed, mesh, device)
+    engine = TorchEngine(model, TRAIN, norm_reducer=True)
+    train(engine, batches[:2], dp_rank, device)
+    save(path, model, engine.optimizer, extra={"scheduler": engine.scheduler})
+    fresh = build(seed + 7, mesh, device)
+    engine = TorchEngine(fresh, TRAIN, norm_reducer=True)
+    load(path, fresh, engine.optimizer, extra={"scheduler": engine.scheduler})
+    losses = train(engine, batches[2:], dp_rank, device)
+    ref_losses, ref_params = uninterrupted
+    assert_matches("resumed from DCP", losses, full_params(fresh), ref_losses[2:], ref_params)
+
+    # mid-accumulation: FSDP's no-sync grads (and shardnorm's pending tp reduction) would be lost
+    (x, y), _ = rank_rows(batches[0], dp_rank, device)
+    with no_sync(fresh):
+        nn.functional.cross_entropy(fresh(x).flatten(0, 1), y.flatten()).backward()
+    assert pending_grads(fresh)
+    with pytest.raises(RuntimeError, match=MID_STEP):
+        save(f"{path}-mid", fresh, engine.optimizer)
+    engine.optimizer.zero_grad(set_to_none=True)
+
+
+def _shard_main_job(seed, mesh, device):
+    return parallelize(make_model(seed, device), mesh, TRAIN)
+
+
+# ---- 2 processes: dp=2 ----------------------------------------------------------------------------------
+
+def _dp2(rank, world_size, seed, path):
+    _quiet()
+    device = init_test_device(rank)
+    batches = token_batches(seed, world_size)
+    ref = reference(seed, batches)
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+
+    # FSDP2: blocks found automatically; plain, and with checkpointing + compile
+    ref_grads = step_grads(make_model(seed, "cpu"), batches[0])
+    assert_grads_match("FSDP2 dp=2", step_grads(shard_model(make_model(seed, device), mesh),
+                                                rank_rows(batches[0], rank, device)), ref_grads)
+    model = shard_model(make_model(seed, device), mesh)
+    _check_fsdp2_units(model, ["layers.0", "layers.1"])
+    losses = train(TorchEngine(model, TRAIN), batches, rank, device)
+    assert_matches("FSDP2 dp=2", losses, full_params(model), *ref)
+    model = _checkpointed_compiled(seed, mesh, device)
+    _check_fsdp2_units(model, ["layers.0", "layers.1"])
+    assert all(isinstance(m, CheckpointWrapper) for m in model.layers)
+    losses = train(TorchEngine(model, TRAIN), batches, rank, device)
+    assert_matches("FSDP2 dp=2, checkpointing + compile", losses, full_params(model), *ref)
+
+    # a norm run outside the FSDP unit that all-gathers it sees a shard: refused by name
+    with pytest.raises(RuntimeError, match=r"layers\.0\.\S*ffn_norm\.weight is still FSDP-sharded"):
+        model.layers[0].ffn_norm(torch.randn(2, 32, device=device))
+
+    # FSDP1: one unit per block plus the root; norms only with the fp32-norm mixed precision
+    model = FullyShardedDataParallel(make_model(seed, device), auto_wrap_policy=auto_wrap_policy(),
+                                     use_orig_params=True, device_id=device)
+    assert [type(m.module).__name__ for m in model.modules() if isinstance(m, FullyShardedDataParallel)] \
+        == ["Transformer", "Block", "Block"]
+    engine = TorchEngine(model, TRAIN)
+    losses = train(engine, batches, rank, device)
+    assert_matches("FSDP1 dp=2", losses, full_params(model), *ref)
+    (x, y), _ = rank_rows(batches[0], rank, device)
+    with no_sync(model):
+        nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    with pytest.raises(RuntimeError, match=MID_STEP):
+        save(f"{path}-fsdp1", model, engine.optimizer)
+    mixed = FullyShardedDataParallel(make_model(seed, device), auto_wrap_policy=auto_wrap_policy([Block]),
+                                     mixed_precision=norm_mixed_precision(), use_orig_params=True,
+                                     device_id=device)
+    units = [type(m.module).__name__ for m in mixed.modules() if isinstance(m, FullyShardedDataParallel)]
+    assert units == ["Transformer", "Block", "RMSNorm", "RMSNorm", "Block", "RMSNorm", "RMSNorm", "RMSNorm"], units
+    assert all(m.mixed_precision.param_dtype in (None, torch.float32) for m in mixed.modules()
+               if isinstance(m, FullyShardedDataParallel) and isinstance(m.module, nn.RMSNorm))
+
+    _check_checkpoint(seed, mesh, device, rank, path,
+                      lambda s, mesh, device: shard_model(make_model(s, device), mesh), ref)
+
+
+def test_fsdp_dp2(tmp_path):
+    spawn(_dp2, 2, torch.seed() % 2**31, str(tmp_path / "ckpt"))
+
+
+# ---- 4 processes: dp=2 × tp=2, sequence-parallel norms ------------------------------------------------
+
+class _CountAllReduces(TorchDispatchMode):
+    """All-reduces issued, eager (c10d) or functional (DTensor redistribute)."""
+
+    OPS = (torch.ops.c10d.allreduce_, torch.ops._c10d_functional.all_reduce)
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in self.OPS
+        return func(*args, **(kwargs or {}))
+
+
+def _all_reduces(model, batch) -> int:
+    engine = TorchEngine(model, TRAIN, norm_reducer=True)
+    with _CountAllReduces() as counter:
+        engine.step(batch)
+    return counter.count
+
+
+def _dp2_tp2(rank, world_size, seed, path):
+    _quiet()
+    device = init_test_device(rank)
+    batches = token_batches(seed, 2)
+    ref = reference(seed, batches)
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+
+    # the main job's parallelize (TP plan + shard_model): FSDP's new params keep what shardnorm needs
+    ref_grads = step_grads(make_model(seed, "cpu"), batches[0])
+    assert_grads_match("FSDP2 × TP", step_grads(_shard_main_job(seed, mesh, device), rank_rows(batches[0], dp_rank, device)),
+                       ref_grads)
+    model = _shard_main_job(seed, mesh, device)
+    _check_fsdp2_units(model, ["layers.0", "layers.1"])
+    reducer = model._shardnorm_reducer
+    assert isinstance(reducer, FSDPNormGradReducer) and len(reducer.params) == 5
+    assert all(p.sequence_parallel for n, p in model.named_parameters() if "norm" in n)
+    losses = train(TorchEngine(model, TRAIN, norm_reducer=True), batches, dp_rank, device)
+    assert_matches("FSDP2 × TP", losses, full_params(model), *ref)
+    assert reducer.collectives == TRAIN.steps  # one bucket per optimizer step, none per micro-batch
+    assert all(getattr(m.weight, "_shardnorm_reducer", None) is reducer for m in model.modules()
+               if isinstance(m, shardnorm.RMSNorm))  # FSDP's unsharded params, left on the modules in eval
+
+    model = _checkpointed_compiled(seed, mesh, device)
+    losses = train(TorchEngine(model, TRAIN, norm_reducer=True), batches, dp_rank, device)
+    assert_matches("FSDP2 × TP, checkpointing + compile", losses, full_params(model), *ref)
+
+    # measured: all-reduces per step of norm grads, shardnorm's order vs torch's SequenceParallel + FSDP2
+    step = rank_rows(batches[0], dp_rank, device)
+    ours = _all_reduces(_shard_main_job(seed, mesh, device), step)
+    torch_norms = parallelize(make_model(seed, device, "torch"), mesh, dataclasses.replace(TRAIN, norm="torch"))
+    theirs = _all_reduces(torch_norms, step)
+    assert (ours, theirs) == (1, 5), (ours, theirs)
+
+    # norms parallelized over the whole 2-D mesh, or FSDP1 over a TP model: refused by name
+    bad = make_model(seed, device)
+    bad.norm.weight = nn.Parameter(distribute_tensor(bad.norm.weight.detach(), mesh, [Replicate(), Replicate()]))
+    with pytest.raises(ValueError, match=r"norm parameter norm\.weight is already a DTensor"):
+        shard_model(bad, mesh)
+    bad = make_model(seed, device)
+    apply_tensor_parallel(bad, mesh["tp"], "shardnorm")
+    with pytest.raises(NotImplementedError, match="FSDP1 × tensor parallelism"):
+        FullyShardedDataParallel(bad, auto_wrap_policy=auto_wrap_policy(), use_orig_params=True, device_id=device)
+
+    _check_checkpoint(seed, mesh, device, dp_rank, path, _shard_main_job, ref)
+
+
+def test_fsdp_dp2_tp2(tmp_path):
+    spawn(_dp2_tp2, 4, torch.seed() % 2**31, str(tmp_path / "ckpt"))
+
+
+# ---- no process group needed ----------------------------------------------------------------------------
+
+def test_block_detection():
+    model = make_model(0, "cpu")
+    assert find_block_classes(model) == (Block,)
+    model.layers[0] = checkpoint_wrapper(model.layers[0])
+    model.layers[1] = checkpoint_wrapper(model.layers[1])
+    assert find_block_classes(model) == (CheckpointWrapper,)
+    with pytest.raises(ValueError, match="no repeated module class containing a norm"):
+        find_block_classes(nn.Sequential(nn.Linear(4, 4), shardnorm.RMSNorm(4)))
+    policy = auto_wrap_policy([shardnorm.RMSNorm])
+    with pytest.raises(ValueError, match="RMSNorm is a norm; a norm stays inside its block's FSDP unit"):
+        policy._run_policy(make_model(0, "cpu"), set(), {})
