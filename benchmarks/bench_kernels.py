@@ -114,7 +114,7 @@ def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs):
             graphs = [(fn(x, w, b), dy) for x, dy in zip(xs, dys)]
             ms_bwd = do_bench(lambda: (lambda g: g[0].backward(g[1], retain_graph=True))(graphs[next(it) % sets]),
                               grad_to_none=xs + params, return_mode="median")
-            del graphs
+            graphs.clear()
 
             def step():
                 i = next(it) % sets

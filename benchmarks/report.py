@@ -36,7 +36,7 @@ def cell(row) -> str:
 
 
 def best_peer(by_provider, key):
-    ok = [r for name, r in by_provider.items() if name != "shardnorm" and r and r.get("correct")]
+    ok = [r for name, r in by_provider.items() if name != "shardnorm" and r and r.get("correct") and key in r]
     return max(ok, key=lambda r: r[key]) if ok else None
 
 

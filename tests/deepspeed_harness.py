@@ -1,8 +1,7 @@
 """Shared pieces of the DeepSpeed tests: device/backend choice, configs, models, a plain-torch reference.
 
-Device: CPU with gloo (DS_ACCELERATOR=cpu) by default; CUDA with NCCL when at least 2 GPUs are
-visible, or as forced by SHARDNORM_TEST_DEVICE=cpu|cuda. `tests/multiprocess.spawn` starts gloo;
-on CUDA `use_test_device` re-creates the default group with NCCL, each rank on its local GPU.
+Device: as `tests/multiprocess` chooses it: CPU with gloo (DS_ACCELERATOR=cpu) by default, CUDA
+with NCCL, each rank on its local GPU, with SHARDNORM_TEST_DEVICE=cuda.
 """
 
 import copy
@@ -14,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-DEVICE = os.environ.get("SHARDNORM_TEST_DEVICE") or ("cuda" if torch.cuda.device_count() >= 2 else "cpu")
+from multiprocess import DEVICE
+
 if DEVICE == "cpu":
     os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
 
@@ -27,17 +27,8 @@ def load_config(name: str) -> dict:
 
 
 def init_test_device(rank: int) -> torch.device:
-    """Inside a spawned rank: the device to run on; on CUDA the default group is first replaced by an
-    NCCL one, each rank on its local GPU (also used by the FSDP tests)."""
-    device = torch.device("cpu")
-    if DEVICE == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)  # a fresh store for the new group
-        world_size = dist.get_world_size()
-        dist.destroy_process_group()
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
-    return device
+    """Inside a spawned rank: the device to run on (also used by the FSDP tests)."""
+    return torch.device("cuda", rank) if DEVICE == "cuda" else torch.device("cpu")
 
 
 def use_test_device(rank: int) -> torch.device:

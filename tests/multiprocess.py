@@ -1,14 +1,20 @@
-"""Run a test body in N gloo processes (CPU) with torch.multiprocessing.
+"""Run a test body in N processes with torch.multiprocessing: gloo on CPU, or NCCL on GPUs.
 
 Tests call `spawn(body, world_size, *args)`; `body(rank, world_size, *args)` runs in each process
-after `init_process_group("gloo")`. A failure in any rank fails the test with that rank's traceback.
+after `init_process_group`. A failure in any rank fails the test with that rank's traceback.
+`SHARDNORM_TEST_DEVICE=cuda` runs the same tests with NCCL, one GPU per rank (that GPU is the
+rank's default device); `DEVICE` is what tests pass to `init_device_mesh`.
 """
 
 import os
 import socket
 
+import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+DEVICE = os.environ.get("SHARDNORM_TEST_DEVICE") or "cpu"
 
 
 def _free_port() -> int:
@@ -20,7 +26,13 @@ def _free_port() -> int:
 def _entry(rank, world_size, port, body, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if DEVICE == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        torch.set_default_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         body(rank, world_size, *args)
     finally:
@@ -28,5 +40,7 @@ def _entry(rank, world_size, port, body, args):
 
 
 def spawn(body, world_size: int, *args) -> None:
-    """Run `body(rank, world_size, *args)` on `world_size` gloo ranks; raise if any rank fails."""
+    """Run `body(rank, world_size, *args)` on `world_size` ranks; raise if any rank fails."""
+    if DEVICE == "cuda" and world_size > torch.cuda.device_count():
+        pytest.skip(f"{world_size} ranks need {world_size} GPUs, {torch.cuda.device_count()} visible")
     mp.spawn(_entry, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)

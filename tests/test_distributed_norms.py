@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from conftest import rel_err
-from multiprocess import spawn
+from multiprocess import DEVICE, spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -98,7 +98,7 @@ def _run_case(mesh, norm_name, placement, reducer_mode, seed):
 
 
 def _matrix(rank, world_size, seed):
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     for norm_name in NORMS:
         for placement in PLACEMENTS:
             for reducer_mode in REDUCERS:

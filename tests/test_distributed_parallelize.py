@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import rel_err
-from multiprocess import spawn
+from multiprocess import DEVICE, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -56,7 +56,7 @@ PLAN = {
 
 
 def _train(rank, world_size, seed):
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     torch.manual_seed(seed)
     ref = Stack()
     with torch.no_grad():  # random norm params too: ones/zeros would hide mistakes

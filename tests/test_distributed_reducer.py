@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import rel_err
-from multiprocess import spawn
+from multiprocess import DEVICE, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -243,11 +243,11 @@ def _errors(mesh):
     with pytest.raises(ValueError, match=r"reduce must be 'bucketed' or 'per_layer'"):
         attach_reducer(NormStack(), reduce="per_param")
     with pytest.raises(ValueError, match=r"1-D"):
-        parallelize_module(shardnorm.RMSNorm(h), init_device_mesh("cpu", (1, mesh.size())), SequenceParallelNorm())
+        parallelize_module(shardnorm.RMSNorm(h), init_device_mesh(DEVICE, (1, mesh.size())), SequenceParallelNorm())
 
 
 def _cases(rank, world_size, seed):
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     counter = _AllReduceCounter()
     _collectives_per_step(mesh, counter, seed, "bucketed")
     _collectives_per_step(mesh, counter, seed, "per_layer")
