@@ -6,6 +6,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# A fresh machine: install first (launch/setup.sh is idempotent, but skipped when all is there).
+python -c "import torch, triton, matplotlib" 2>/dev/null || bash "$ROOT/launch/setup.sh"
 
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 2 ))}
