@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The distributed checks and benchmarks on one host with 2 GPUs (NCCL), as recorded in
+# benchmarks/gpu-runs.md. Run from the repo root; wheels for packages the host lacks (deepspeed)
+# go in .whl/. Everything lands in $WORK and is packed into $OUT/distributed_gpu.tgz.
+#   OUT=dir bash benchmarks/run_distributed_gpu.sh tests|bench|train
+set -uo pipefail
+WORK=${WORK:-/tmp/shardnorm-gpu}; OUT=${OUT:-$WORK}; mkdir -p "$WORK" "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src:$PWD/tests:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 SHARDNORM_TEST_DEVICE=cuda
+
+step() {  # step NAME LIMIT_S COMMAND...: log to $WORK/NAME.log, print the verdict and the log's tail
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  echo "== $name rc=$?"; tail -n "${TAIL:-3}" "$WORK/$name.log"
+}
+
+case "${1:-tests}" in
+  tests)
+    step distributed 200 python3 -m pytest -q -p no:cacheprovider tests/test_distributed_norms.py \
+      tests/test_distributed_parallelize.py tests/test_distributed_reducer.py
+    step fsdp 150 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp.py
+    step deepspeed 200 python3 -m pytest -q -p no:cacheprovider tests/test_deepspeed_zero.py \
+      tests/test_deepspeed_ulysses.py tests/test_deepspeed_autotp.py tests/test_deepspeed_config.py ;;
+  bench)
+    TAIL=12 step sp_norm_grads 170 torchrun --standalone --nproc-per-node 2 parallel/bench_sp_norm_grads.py \
+      --out "$WORK/sp_norm_grads.json" ;;
+  train)
+    for run in "--norm shardnorm" "--norm torch" "--norm shardnorm --compile" "--norm torch --compile"; do
+      name=train_$(echo "$run" | tr -d ' -')
+      # shellcheck disable=SC2086
+      TAIL=1 step "$name" 120 launch/train.sh configs/llama_small_fsdp_tp.toml $run train.steps=30 \
+        "train.out_dir=\"$WORK/$name\""
+    done
+    python3 -m parallel.compare "$WORK"/train_* --plot "$WORK/llama_small_loss.png" > "$WORK/train_table.md" 2>&1
+    cat "$WORK/train_table.md" ;;
+esac
+tar czf "$OUT/distributed_gpu_${1:-tests}.tgz" -C "$WORK" .
