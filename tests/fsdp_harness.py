@@ -21,7 +21,7 @@ from parallel.engines import TorchEngine, cross_entropy
 from parallel.model import build_model
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
-TRAIN = TrainConfig(steps=3, grad_accum=2, lr=2e-3, warmup_steps=1, max_grad_norm=0.0)
+TRAIN = TrainConfig(steps=3, grad_accum=2, lr=5e-4, warmup_steps=1, max_grad_norm=0.0)
 SEQ, ROWS = 8, 2  # tokens per sequence; sequences per data-parallel rank and micro-batch
 TOL = 1e-5
 

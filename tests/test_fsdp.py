@@ -185,8 +185,10 @@ def _dp2_tp2(rank, world_size, seed, path):
     losses = train(TorchEngine(model, TRAIN, norm_reducer=True), batches, dp_rank, device)
     assert_matches("FSDP2 × TP", losses, full_params(model), *ref)
     assert reducer.collectives == TRAIN.steps  # one bucket per optimizer step, none per micro-batch
-    assert all(getattr(m.weight, "_shardnorm_reducer", None) is reducer for m in model.modules()
-               if isinstance(m, shardnorm.RMSNorm))  # FSDP's unsharded params, left on the modules in eval
+    unsharded = [fsdp_param.unsharded_param for m in model.modules() if isinstance(m, FSDPModule)
+                 for group in m._get_fsdp_state()._fsdp_param_groups for fsdp_param in group.fsdp_params
+                 if "norm" in fsdp_param._param_fqn]
+    assert len(unsharded) == 5 and all(p.sequence_parallel for p in unsharded)
 
     model = _checkpointed_compiled(seed, mesh, device)
     losses = train(TorchEngine(model, TRAIN, norm_reducer=True), batches, dp_rank, device)

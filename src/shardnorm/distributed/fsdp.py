@@ -134,7 +134,7 @@ def _sequence_parallel(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> bo
 
 
 def _norm_guard(fqn: str, sharded: set[int], reducer: FSDPNormGradReducer | None, sequence_parallel: bool):
-    """Forward pre-hook: the norm must see FSDP's unsharded params; bind those to the reducer."""
+    """Forward pre-hook: the norm must see FSDP's unsharded params; the reducer takes those over."""
 
     def hook(module: nn.Module, args):
         for name, p in module.named_parameters(recurse=False):
@@ -143,9 +143,8 @@ def _norm_guard(fqn: str, sharded: set[int], reducer: FSDPNormGradReducer | None
                     f"shardnorm: {fqn}.{name} is still FSDP-sharded (placements "
                     f"{tuple(getattr(p, 'placements', ()))}) when its norm runs: FSDP all-gathers it only "
                     f"inside the forward of the FSDP unit that holds it; call the norm through that unit")
-            if sequence_parallel and reducer is not None and getattr(p, "_shardnorm_reducer", None) is not reducer:
-                p.sequence_parallel = True
-                reducer.bind([p])
+            if sequence_parallel and reducer is not None:
+                reducer.track(p)
 
     return hook
 

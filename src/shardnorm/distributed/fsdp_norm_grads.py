@@ -4,13 +4,15 @@ Under FSDP2 × TP a sequence-parallel norm's weight/bias are Replicate over tp, 
 dgamma/dbeta is a partial sum over its own tokens and its own samples: it must be summed over tp and
 over dp, each exactly once. The order used here:
 
-1. The norm's backward hands its fp32 partial sum to this reducer, which adds it to the unsharded
-   parameter's grad (param dtype, labelled Replicate so FSDP does not redistribute it). FSDP keeps it
-   across no-sync micro-batches and reduce-scatters it over dp with the rest of the block's grads:
-   no extra collective over dp.
+1. The norm's backward returns its partial sum as the unsharded parameter's grad, `Partial` over tp;
+   a hook on that parameter relabels it `Replicate` (no communication), so FSDP does not all-reduce it
+   but keeps it across no-sync micro-batches (in `reduce_dtype`) and reduce-scatters it over dp with
+   the rest of the block's grads: no extra collective over dp.
 2. After the backward in which FSDP reduce-scattered, the reducer all-reduces over tp only the dp
    shards FSDP produced: numel/dp elements per parameter instead of numel, in fp32, one collective
    per bucket per optimizer step.
+
+The hook runs in eager autograd before the grad is accumulated, also when the block is compiled.
 
 torch's own path reduces in the other order: FSDP redistributes each norm's `Partial` grad to
 `Replicate` before its reduce-scatter, one all-reduce of the full parameter per norm parameter, in
@@ -21,9 +23,9 @@ the tp all-reduce here runs after FSDP's last reduce-scatter (not overlapped) an
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
-from shardnorm.distributed.reducer import _BOUND
+_TRACKED = "_shardnorm_fsdp_reducer"
 
 
 class FSDPNormGradReducer:
@@ -52,41 +54,42 @@ class FSDPNormGradReducer:
         return bool(self._dirty)
 
     def bind(self, params) -> None:
-        """Route these (unsharded, in-forward) parameters' norm grads here."""
-        for p in params:
-            setattr(p, _BOUND, self)
+        """Nothing to bind: norm grads reach this reducer through FSDP, not from the norms."""
 
-    # ---- called from the norms' backward and from FSDP ------------------------------------------------
+    def track(self, param: nn.Parameter) -> None:
+        """Take over an unsharded param (FSDP makes it at its first all-gather) of a sequence-parallel norm."""
+        if getattr(param, _TRACKED, None) is self:
+            return
+        if isinstance(param, DTensor) and dist.get_process_group_ranks(param.device_mesh.get_group()) \
+                != dist.get_process_group_ranks(self.group):
+            raise ValueError(f"shardnorm: a sequence-parallel norm parameter of shape {tuple(param.shape)} lives "
+                             f"on {param.device_mesh}, not on the tp mesh shard_model was given")
+        setattr(param, _TRACKED, self)
+        param.sequence_parallel = True
+        param.register_hook(self._relabel)
 
-    def add(self, params: list, grads: list[torch.Tensor], group) -> None:
-        """Add one norm call's local fp32 weight/bias grads to the unsharded params' grads, for FSDP."""
-        if group is not self.group:
-            raise ValueError(f"shardnorm: a norm parameter of shape {tuple(params[0].shape)} has grads "
-                             f"partial over a process group other than the tp group shard_model was given")
+    # ---- called from autograd and FSDP ---------------------------------------------------------------
+
+    def _relabel(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, labelled Replicate over tp so that FSDP reduces it over dp only."""
         task = torch._C._current_graph_task_id()
         if task != self._backward_task:
             self._begin_backward(task)
-        for p, g in zip(params, grads):
-            if isinstance(p, DTensor):
-                local = g.view(p.to_local().shape).to(p.dtype)
-                grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                          shape=p.shape, stride=p.stride())
-            else:
-                grad = g.view(p.shape).to(p.dtype)
-            if p.grad is None:
-                p.grad = grad
-            else:
-                p.grad.add_(grad)
+        if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
+            return grad  # a plain (process-group mode) grad is the local partial sum already
+        placements = tuple(Replicate() if p.is_partial() else p for p in grad.placements)
+        return DTensor.from_local(grad.to_local(), grad.device_mesh, placements, run_check=False,
+                                  shape=grad.shape, stride=grad.stride())
 
     def _begin_backward(self, task: int) -> None:
         self._backward_task = task
         if not self._dirty:  # remember what is already reduced, so only FSDP's new output is all-reduced
-            self._before = {id(p): p.grad.to_local().float().reshape(-1).clone()
+            self._before = {id(p): _local(p).float().reshape(-1).clone()
                             for p in self.params if p.grad is not None}
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_sharded_grad(self, param: nn.Parameter) -> None:
-        """FSDP wrote this step's reduce-scatter output into the sharded grad (queued after FSDP's callback)."""
+        """FSDP added its reduce-scatter output (still partial over tp) to this sharded grad."""
         self._dirty.add(id(param))
 
     def _end_backward(self) -> None:
