@@ -1,6 +1,8 @@
 """A block stack parallelized with `parallelize_module` (Colwise/Rowwise linears + SequenceParallelNorm)
 trains like the single-process model: 3 AdamW steps of 2 micro-batches, same losses and params."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,7 +57,8 @@ PLAN = {
 }
 
 
-def _train(rank, world_size, seed):
+def _train(rank, world_size, seed, backend):
+    os.environ["SHARDNORM_BACKEND"] = backend
     mesh = init_device_mesh(DEVICE, (world_size,))
     torch.manual_seed(seed)
     ref = Stack()
@@ -93,5 +96,7 @@ def _train(rank, world_size, seed):
         assert err <= TOL, f"{name} after {STEPS} steps: rel err {err:.2e}"
 
 
-def test_parallelized_block_stack_trains_like_single_process():
-    spawn(_train, 2, torch.seed())
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_parallelized_block_stack_trains_like_single_process(backend):
+    """With "triton" the kernels also see what a reduce-scatter hands them: an AsyncCollectiveTensor."""
+    spawn(_train, 2, torch.seed(), backend)

@@ -91,8 +91,16 @@ torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _
                                 setup_context=_setup_context)
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _all_plain(*tensors) -> bool:
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
 class _EagerNorm(torch.autograd.Function):
-    """Eager fast path over the same launchers, skipping the custom-op dispatch layers.
+    """Eager fast path over the same launchers, skipping the custom-op dispatch layers (plain tensors
+    only: subclasses, e.g. an AsyncCollectiveTensor, go through the ops, whose dispatch unwraps them).
 
     Those layers cost tens of microseconds of CPU per call, as long as the whole kernel at small N
     (32768 x 1024 bf16 moves 128 MB, ~40 us): eager calls go here, torch.compile traces the ops.
@@ -108,12 +116,13 @@ class _EagerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dz, _dmean, _drstd):
-        return _input_grads(ctx, dy, dz, _norm_bwd_impl)
+        return _input_grads(ctx, dy, dz, _norm_bwd_impl if _all_plain(dy, dz) else norm_bwd)
 
 
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
          eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
-    fwd = norm_fwd if torch.compiler.is_compiling() else _EagerNorm.apply
+    fast = not torch.compiler.is_compiling() and _all_plain(x, weight, bias, residual)
+    fwd = _EagerNorm.apply if fast else norm_fwd
     y, z, _, _ = fwd(x, weight, bias, residual, float(eps), rms, zero_centered)
     return y, (z if residual is not None else None)
