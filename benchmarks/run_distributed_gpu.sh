@@ -26,13 +26,13 @@ case "${1:-tests}" in
     step deepspeed 200 python3 -m pytest -q -p no:cacheprovider tests/test_deepspeed_zero.py \
       tests/test_deepspeed_ulysses.py tests/test_deepspeed_autotp.py tests/test_deepspeed_config.py ;;
   bench)
-    TAIL=12 step sp_norm_grads 170 torchrun --standalone --nproc-per-node 2 parallel/bench_sp_norm_grads.py \
-      --out "$WORK/sp_norm_grads.json" ;;
+    TAIL=14 step sp_norm_grads 150 torchrun --standalone --nproc-per-node 2 parallel/bench_sp_norm_grads.py \
+      --out "$WORK/sp_norm_grads.json" --steps 2 --warmup 1 ;;
   train)
     for run in "--norm shardnorm" "--norm torch" "--norm shardnorm --compile" "--norm torch --compile"; do
       name=train_$(echo "$run" | tr -d ' -')
       # shellcheck disable=SC2086
-      TAIL=1 step "$name" 120 launch/train.sh configs/llama_small_fsdp_tp.toml $run train.steps=30 \
+      TAIL=1 step "$name" 100 launch/train.sh configs/llama_small_fsdp_tp.toml $run train.steps=30 \
         "train.out_dir=\"$WORK/$name\""
     done
     python3 -m parallel.compare "$WORK"/train_* --plot "$WORK/llama_small_loss.png" > "$WORK/train_table.md" 2>&1
