@@ -72,14 +72,22 @@ def _check_checkpoint(seed, mesh, device, dp_rank, path, build, uninterrupted) -
     ref_losses, ref_params = uninterrupted
     assert_matches("resumed from DCP", losses, full_params(fresh), ref_losses[2:], ref_params)
 
-    # mid-accumulation: FSDP's no-sync grads (and shardnorm's pending tp reduction) would be lost
+    # mid-accumulation: shardnorm's pending tp reduction, FSDP's no-sync grads would be lost
     (x, y), _ = rank_rows(batches[0], dp_rank, device)
+    if isinstance(getattr(fresh, "_shardnorm_reducer", None), FSDPNormGradReducer):
+        with shardnorm.accumulate(fresh):  # FSDP reduces over dp, the tp all-reduce waits
+            nn.functional.cross_entropy(fresh(x).flatten(0, 1), y.flatten()).backward()
+        assert "shardnorm's norm-grad buffer" in pending_grads(fresh)
+        with pytest.raises(RuntimeError, match=MID_STEP):
+            save(f"{path}-mid", fresh, engine.optimizer)
+        shardnorm.finalize_grads(fresh)
+        engine.optimizer.zero_grad(set_to_none=True)
+        assert not pending_grads(fresh)
     with no_sync(fresh):
         nn.functional.cross_entropy(fresh(x).flatten(0, 1), y.flatten()).backward()
     assert pending_grads(fresh)
     with pytest.raises(RuntimeError, match=MID_STEP):
         save(f"{path}-mid", fresh, engine.optimizer)
-    engine.optimizer.zero_grad(set_to_none=True)
 
 
 def _shard_main_job(seed, mesh, device):
