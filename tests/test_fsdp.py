@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 import torch
-from fsdp_harness import (DEVICE, TRAIN, TorchEngine, assert_grads_match, assert_matches, full_params, init_test_device,
-                          make_model, rank_rows, reference, step_grads, token_batches, train)
+from fsdp_harness import (DEVICE, TRAIN, TorchEngine, assert_grads_match, assert_matches, full_params,
+                          init_test_device, make_model, rank_rows, reference, step_grads, token_batches, train)
 from multiprocess import spawn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
@@ -138,7 +138,8 @@ def _dp2(rank, world_size, seed, path):
                                      mixed_precision=norm_mixed_precision(), use_orig_params=True,
                                      device_id=device)
     units = [type(m.module).__name__ for m in mixed.modules() if isinstance(m, FullyShardedDataParallel)]
-    assert units == ["Transformer", "Block", "RMSNorm", "RMSNorm", "Block", "RMSNorm", "RMSNorm", "RMSNorm"], units
+    assert units == ["Transformer", "Block", "RMSNorm", "RMSNorm", "Block", "RMSNorm", "RMSNorm", "RMSNorm"], \
+        units
     assert all(m.mixed_precision.param_dtype in (None, torch.float32) for m in mixed.modules()
                if isinstance(m, FullyShardedDataParallel) and isinstance(m.module, nn.RMSNorm))
 
@@ -150,7 +151,7 @@ def test_fsdp_dp2(tmp_path):
     spawn(_dp2, 2, torch.seed() % 2**31, str(tmp_path / "ckpt"))
 
 
-# ---- 4 processes: dp=2 × tp=2, sequence-parallel norms (dp=1 × tp=2 on 2 GPUs) ------------------------------------------------
+# ---- 4 processes: dp=2 × tp=2, sequence-parallel norms (dp=1 × tp=2 on 2 GPUs) ---------------------------
 
 class _CountAllReduces(TorchDispatchMode):
     """All-reduces issued, eager (c10d) or functional (DTensor redistribute)."""
@@ -184,8 +185,8 @@ def _dp_tp2(rank, world_size, seed, path):
 
     # the main job's parallelize (TP plan + shard_model): FSDP's new params keep what shardnorm needs
     ref_grads = step_grads(make_model(seed, "cpu"), batches[0])
-    assert_grads_match("FSDP2 × TP", step_grads(_shard_main_job(seed, mesh, device), rank_rows(batches[0], dp_rank, device)),
-                       ref_grads)
+    grads = step_grads(_shard_main_job(seed, mesh, device), rank_rows(batches[0], dp_rank, device))
+    assert_grads_match("FSDP2 × TP", grads, ref_grads)
     model = _shard_main_job(seed, mesh, device)
     _check_fsdp2_units(model, ["layers.0", "layers.1"])
     reducer = model._shardnorm_reducer
@@ -218,13 +219,14 @@ def _dp_tp2(rank, world_size, seed, path):
 
     # norms parallelized over the whole 2-D mesh, or FSDP1 over a TP model: refused by name
     bad = make_model(seed, device)
-    bad.norm.weight = nn.Parameter(distribute_tensor(bad.norm.weight.detach(), mesh, [Replicate(), Replicate()]))
+    bad.norm.weight = nn.Parameter(distribute_tensor(bad.norm.weight.detach(), mesh, [Replicate()] * 2))
     with pytest.raises(ValueError, match=r"norm parameter norm\.weight is already a DTensor"):
         shard_model(bad, mesh)
     bad = make_model(seed, device)
     apply_tensor_parallel(bad, mesh["tp"], "shardnorm")
     with pytest.raises(NotImplementedError, match="FSDP1 × tensor parallelism"):
-        FullyShardedDataParallel(bad, auto_wrap_policy=auto_wrap_policy(), use_orig_params=True, device_id=device)
+        FullyShardedDataParallel(bad, auto_wrap_policy=auto_wrap_policy(), use_orig_params=True,
+                                 device_id=device)
 
     _check_checkpoint(seed, mesh, device, dp_rank, path, _shard_main_job, ref)
 

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (FSDPModule, FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy,
+                                    fully_shard)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -77,10 +78,10 @@ class BlockWrapPolicy(ModuleWrapPolicy):
 
     def _run_policy(self, root_module, ignored_modules, root_kwargs):
         for fqn, m in root_module.named_modules():
-            if isinstance(m, SHARDNORM_CLASSES) and any(isinstance(p, DTensor) for p in m.parameters(recurse=False)):
+            if isinstance(m, SHARDNORM_CLASSES) and any(isinstance(p, DTensor) for p in m.parameters()):
                 raise NotImplementedError(
                     f"shardnorm: FSDP1 × tensor parallelism is not supported: norm {fqn} has DTensor params, "
-                    f"whose tp-partial grads FSDP1 would reduce over dp only; use shardnorm.fsdp.shard_model (FSDP2)")
+                    f"whose tp-partial grads FSDP1 would reduce over dp only; use shardnorm.fsdp.shard_model")
         self._module_classes = set(_checked_block_classes(root_module, self._given))
         return super()._run_policy(root_module, ignored_modules, root_kwargs)
 
@@ -149,8 +150,9 @@ def _norm_guard(fqn: str, sharded: set[int], reducer: FSDPNormGradReducer | None
     return hook
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True, *, bucket_cap_mb: float = 1.0) -> nn.Module:
+def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None,
+                mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True, *,
+                bucket_cap_mb: float = 1.0) -> nn.Module:
     """`fully_shard` each transformer block, then the root, over the dp mesh; after tensor parallelism.
 
     `mesh`: 1-D (dp), or 2-D with dims ("dp", "tp") where norms were parallelized over mesh["tp"] (e.g.
@@ -163,7 +165,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None, mp_polic
     if old is not None and old.has_pending:
         raise RuntimeError("shardnorm: the model's norm-grad reducer holds accumulated grads; call "
                            "shardnorm.finalize_grads(model) before shard_model")
-    norms = [(fqn, m, any(_sequence_parallel(f"{fqn}.{n}", p, dp_mesh) for n, p in m.named_parameters(recurse=False)))
+    norms = [(fqn, m, any([_sequence_parallel(f"{fqn}.{n}", p, dp_mesh) for n, p in m.named_parameters()]))
              for fqn, m in model.named_modules() if isinstance(m, SHARDNORM_CLASSES)]
     if any(sp for *_, sp in norms) and (tp_mesh is None or tp_mesh.size() == 1):
         raise ValueError("shardnorm: the model has sequence-parallel norms but shard_model got no tp mesh of "

@@ -62,8 +62,8 @@ class FSDPNormGradReducer:
             return
         if isinstance(param, DTensor) and dist.get_process_group_ranks(param.device_mesh.get_group()) \
                 != dist.get_process_group_ranks(self.group):
-            raise ValueError(f"shardnorm: a sequence-parallel norm parameter of shape {tuple(param.shape)} lives "
-                             f"on {param.device_mesh}, not on the tp mesh shard_model was given")
+            raise ValueError(f"shardnorm: a sequence-parallel norm parameter of shape {tuple(param.shape)} "
+                             f"lives on {param.device_mesh}, not on the tp mesh shard_model was given")
         setattr(param, _TRACKED, self)
         param.sequence_parallel = True
         param.register_hook(self._relabel)
