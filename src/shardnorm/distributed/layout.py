@@ -47,7 +47,7 @@ def norm_layout(x: DTensor, weight, bias, residual, normalized_shape=None) -> No
     for mesh_dim, p in enumerate(x.placements):
         if isinstance(p, Replicate):
             param_placements.append(Replicate())
-        elif type(p) is Shard:
+        elif p.is_shard() and getattr(p, "split_factor", 1) == 1:  # not a _StridedShard
             dim = p.dim % x.dim()
             if dim < first_normalized:
                 token_dims.append(mesh_dim)
