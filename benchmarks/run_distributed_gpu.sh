@@ -2,7 +2,7 @@
 # The distributed checks and benchmarks on one host with 2 GPUs (NCCL), as recorded in
 # benchmarks/gpu-runs.md. Run from the repo root; wheels for packages the host lacks (deepspeed)
 # go in .whl/. Everything lands in $WORK and is packed into $OUT/distributed_gpu.tgz.
-#   OUT=dir bash benchmarks/run_distributed_gpu.sh tests|bench|train
+#   OUT=dir bash benchmarks/run_distributed_gpu.sh tests|bench|train   (train: RUNS="--norm torch|..." picks runs)
 set -uo pipefail
 WORK=${WORK:-/tmp/shardnorm-gpu}; OUT=${OUT:-$WORK}; mkdir -p "$WORK" "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -29,13 +29,14 @@ case "${1:-tests}" in
     TAIL=14 step sp_norm_grads 150 torchrun --standalone --nproc-per-node 2 parallel/bench_sp_norm_grads.py \
       --out "$WORK/sp_norm_grads.json" --steps 2 --warmup 1 ;;
   train)
-    for run in "--norm shardnorm" "--norm torch" "--norm shardnorm --compile" "--norm torch --compile"; do
+    IFS='|' read -ra runs <<< "${RUNS:---norm shardnorm|--norm torch|--norm shardnorm --compile|--norm torch --compile}"
+    for run in "${runs[@]}"; do
       name=train_$(echo "$run" | tr -d ' -')
       # shellcheck disable=SC2086
       TAIL=1 step "$name" 100 launch/train.sh configs/llama_small_fsdp_tp.toml $run train.steps=30 \
         "train.out_dir=\"$WORK/$name\""
     done
-    python3 -m parallel.compare "$WORK"/train_* --plot "$WORK/llama_small_loss.png" > "$WORK/train_table.md" 2>&1
+    python3 -m parallel.compare "$WORK"/train_*/ --plot "$WORK/llama_small_loss.png" > "$WORK/train_table.md" 2>&1
     cat "$WORK/train_table.md" ;;
 esac
 tar czf "$OUT/distributed_gpu_${1:-tests}.tgz" -C "$WORK" .
