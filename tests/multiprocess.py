@@ -2,8 +2,8 @@
 
 Tests call `spawn(body, world_size, *args)`; `body(rank, world_size, *args)` runs in each process
 after `init_process_group`. A failure in any rank fails the test with that rank's traceback.
-`SHARDNORM_TEST_DEVICE=cuda` runs the same tests with NCCL, one GPU per rank (that GPU is the
-rank's default device); `DEVICE` is what tests pass to `init_device_mesh`.
+`SHARDNORM_TEST_DEVICE=cuda` runs the same tests with NCCL, one GPU per rank (the rank's current
+device); `DEVICE` is what tests pass to `init_device_mesh`, which puts DTensors there.
 """
 
 import os
@@ -29,7 +29,6 @@ def _entry(rank, world_size, port, body, args):
     if DEVICE == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        torch.set_default_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -50,10 +50,9 @@ class SequenceParallelNorm(ParallelStyle):
             module.register_parameter(name, new)
 
     def _shard_inputs(self, device_mesh, module, args, kwargs):
-        x, *rest = args
-        if rest and rest[0] is not None:  # forward(x, residual)
-            rest[0] = self._shard(rest[0], device_mesh)
-        args = (self._shard(x, device_mesh), *rest)
+        # forward(x, residual=None): shard the first two positionals (no list mutation: dynamo
+        # traces star-unpacking as a tuple)
+        args = tuple(self._shard(a, device_mesh) if i < 2 and a is not None else a for i, a in enumerate(args))
         if kwargs.get("residual") is not None:
             kwargs = {**kwargs, "residual": self._shard(kwargs["residual"], device_mesh)}
         return args, kwargs
