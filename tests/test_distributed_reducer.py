@@ -39,7 +39,8 @@ class NormStack(nn.Module):
         return self.norms[0](x) if reuse_first else x
 
 
-def _models(mesh, seed):
+def _random_pair(seed):
+    """A reference NormStack with random params (ones/zeros would hide mistakes) and a copy of it."""
     torch.manual_seed(seed)
     ref = NormStack()
     with torch.no_grad():
@@ -47,6 +48,11 @@ def _models(mesh, seed):
             p.normal_()
     model = NormStack()
     model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def _models(mesh, seed):
+    ref, model = _random_pair(seed)
     parallelize_module(model, mesh, {"norms.*": SequenceParallelNorm()})
     return ref, model
 
@@ -154,13 +160,7 @@ def _process_group_mode(rank, world_size, seed):
     """Plain tensors in and out, plain params flagged `sequence_parallel`: without a reducer their grads
     are local partial sums (for Megatron's finalize_model_grads), with one they are the full sums."""
     for with_reducer in (False, True):
-        torch.manual_seed(seed)
-        ref = NormStack()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.normal_()
-        model = NormStack()
-        model.load_state_dict(ref.state_dict())
+        ref, model = _random_pair(seed)
         for norm in model.norms:
             sequence_parallel_norm(norm, dist.group.WORLD)  # sequence dim 0: Megatron's [s, b, h]
         if with_reducer:
