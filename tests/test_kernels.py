@@ -174,3 +174,9 @@ def test_more_than_2_pow_31_elements(rms):
     yr.backward(dy[tail].double())
     assert rel_err(y[tail], yr) < TOL[torch.bfloat16]
     assert rel_err(x.grad[tail], xr.grad) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_hidden_size_262144(backend, device, rms):
+    """The largest hidden size the issue names, through the chunked path (fp32, 2 rows)."""
+    run_case(device, 262144, rms, torch.float32, rows=2)
