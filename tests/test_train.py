@@ -65,6 +65,14 @@ def test_data_parallel_fsdp_with_torch_norms(tmp_path):
     assert summary["check_passed"] and len(records) == 4
 
 
+def test_compiled_blocks_deeper_than_the_recompile_limit(tmp_path):
+    """torch.compile per block with shardnorm's sequence-parallel norms under FSDP2 x TP: more blocks
+    than dynamo's recompile limit (8) must compile once, not once per block, and match --check."""
+    summary, records = run_ok("train.sh", tmp_path, TINY, "--compile", "--check", "model.n_layers=9",
+                              "train.steps=3", "train.timing_skip=1")
+    assert summary["compile"] and summary["check_passed"] and len(records) == 3
+
+
 @pytest.mark.distributed
 @pytest.mark.deepspeed
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")

@@ -134,12 +134,19 @@ def _sequence_parallel(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> bo
     return bool(getattr(param, "sequence_parallel", False))
 
 
-def _norm_guard(fqn: str, sharded: set[int], reducer: FSDPNormGradReducer | None, sequence_parallel: bool):
-    """Forward pre-hook: the norm must see FSDP's unsharded params; the reducer takes those over."""
+_FSDP_SHARDED = "_shardnorm_fsdp_sharded"
+
+
+def _norm_guard(fqn: str, reducer: FSDPNormGradReducer | None, sequence_parallel: bool):
+    """Forward pre-hook: the norm must see FSDP's unsharded params; the reducer takes those over.
+
+    Parameters are told apart by an attribute, not by `id()`: inside a compiled block an `id()` check
+    becomes a guard on each layer's own parameter, and dynamo recompiles the block per layer.
+    """
 
     def hook(module: nn.Module, args):
         for name, p in module.named_parameters(recurse=False):
-            if id(p) in sharded:
+            if getattr(p, _FSDP_SHARDED, False):
                 raise RuntimeError(
                     f"shardnorm: {fqn}.{name} is still FSDP-sharded (placements "
                     f"{tuple(getattr(p, 'placements', ()))}) when its norm runs: FSDP all-gathers it only "
@@ -184,8 +191,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None,
         reducer = FSDPNormGradReducer(sp_params, tp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb)
         setattr(model, _REDUCER_ATTR, reducer)
     for fqn, module, sp in norms:
-        sharded = {id(p) for p in module.parameters(recurse=False)}
-        module.register_forward_pre_hook(_norm_guard(fqn, sharded, reducer, sp))
+        for p in module.parameters(recurse=False):
+            setattr(p, _FSDP_SHARDED, True)  # FSDP's sharded params; its unsharded ones lack the mark
+        module.register_forward_pre_hook(_norm_guard(fqn, reducer, sp))
     return model
 
 
