@@ -27,8 +27,9 @@ TOL = 1e-5
 
 
 def make_model(seed: int, device, norm: str = "shardnorm") -> nn.Module:
-    """The main job's model with random (not ones) norm weights, identical on every rank."""
-    model = build_model(CFG, norm, device, seed)
+    """The main job's model with random (not ones) norm weights, identical on every rank and to the
+    CPU reference: built from the CPU generator, then moved (a CUDA build would draw other numbers)."""
+    model = build_model(CFG, norm, torch.device("cpu"), seed).to(device)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for m in model.modules():
