@@ -10,9 +10,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    """`accumulate` / `finalize_grads` load lazily: torch.distributed.tensor takes ~1 s to import."""
+    """The distributed pieces load lazily (torch.distributed.tensor takes ~1 s to import):
+    `shardnorm.accumulate` / `finalize_grads`, and the `distributed`, `fsdp`, `deepspeed` modules."""
     if name in ("accumulate", "finalize_grads"):
         from .distributed import accumulation
 
         return getattr(accumulation, name)
+    if name in ("distributed", "fsdp", "deepspeed"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'shardnorm' has no attribute {name!r}")
