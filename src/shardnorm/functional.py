@@ -61,13 +61,12 @@ def _rows(t: Tensor, n: int) -> Tensor:
 
 def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool, zero_centered: bool):
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    _check(x, residual, shape, weight, bias, eps)  # DTensors too: their shapes are the global ones
     if _is_dtensor(x):
         from .distributed.dtensor import norm_dtensor
 
-        return norm_dtensor(x, weight, bias, residual, eps if eps is not None else torch.finfo(x.dtype).eps,
-                            rms, zero_centered, normalized_shape=shape)
-    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
-    _check(x, residual, shape, weight, bias, eps)
+        return norm_dtensor(x, weight, bias, residual, eps, rms, zero_centered, shape)
     n = math.prod(shape)
     y, z = ops.norm(_rows(x, n), weight.reshape(n) if weight is not None else None,
                     bias.reshape(n) if bias is not None else None,

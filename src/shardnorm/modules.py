@@ -15,10 +15,16 @@ from torch import Tensor
 from . import functional as F
 
 
-class _ZeroCenteredGamma:
-    """Mixin: the `zero_centered_gamma` option shared by both norms."""
+class _FusedNorm:
+    """Mixin: the forward and the `zero_centered_gamma` option shared by both norms."""
 
     zero_centered_gamma: bool = False
+    _rms: bool
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        y, z = F._norm(x, residual, self.normalized_shape, self.weight, getattr(self, "bias", None), self.eps,
+                       self._rms, self.zero_centered_gamma)
+        return y if residual is None else (y, z)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -30,25 +36,19 @@ class _ZeroCenteredGamma:
         return super().extra_repr() + extra
 
 
-class LayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
+class LayerNorm(_FusedNorm, torch.nn.LayerNorm):
+    _rms = False
+
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None, *, zero_centered_gamma: bool = False) -> None:
         self.zero_centered_gamma = zero_centered_gamma  # read by reset_parameters inside super().__init__
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
 
-    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
-        y, z = F._norm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps, False,
-                       self.zero_centered_gamma)
-        return y if residual is None else (y, z)
 
+class RMSNorm(_FusedNorm, torch.nn.RMSNorm):
+    _rms = True
 
-class RMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
                  device=None, dtype=None, *, zero_centered_gamma: bool = False) -> None:
         self.zero_centered_gamma = zero_centered_gamma
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
-
-    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
-        y, z = F._norm(x, residual, self.normalized_shape, self.weight, None, self.eps, True,
-                       self.zero_centered_gamma)
-        return y if residual is None else (y, z)

@@ -16,11 +16,10 @@ from shardnorm.distributed.layout import NormLayout, global_normalized_numel, no
 
 
 def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero_centered: bool,
-                 normalized_shape=None):
-    """Normalize DTensor `x` (plus `residual`) over its trailing `normalized_shape` dims (default: the
-    weight's shape, else the last dim); returns (y, x + residual or None) as DTensors like x."""
-    if not eps >= 0:  # also rejects NaN
-        raise ValueError(f"shardnorm: eps must be >= 0, got {eps}")
+                 normalized_shape: tuple):
+    """Normalize DTensor `x` (plus `residual`) over its trailing `normalized_shape` dims; returns
+    (y, x + residual or None) as DTensors like x. Shapes, dtypes and eps were checked by the caller
+    (`shardnorm.functional`); this checks placements."""
     layout = norm_layout(x, weight, bias, residual, normalized_shape)
     x_local = x.to_local()
     x2d = _rows(x_local, layout)

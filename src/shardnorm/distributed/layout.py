@@ -25,23 +25,10 @@ class NormLayout:
     param_placements: tuple[Placement, ...]  # what weight/bias must be on the mesh
 
 
-def norm_layout(x: DTensor, weight, bias, residual, normalized_shape=None) -> NormLayout:
-    """Classify x's placements and check that weight, bias and residual agree with them.
-
-    `normalized_shape` defaults to the weight's (or bias's) shape, else x's last dim.
-    """
-    if normalized_shape is None:
-        affine = weight if weight is not None else bias
-        normalized_shape = tuple(affine.shape) if affine is not None else tuple(x.shape[-1:])
-    normalized_shape = tuple(normalized_shape)
+def norm_layout(x: DTensor, weight, bias, residual, normalized_shape: tuple) -> NormLayout:
+    """Classify x's placements and check that weight, bias and residual agree with them (their
+    shapes were checked against `normalized_shape` by `shardnorm.functional`)."""
     normalized_ndim = len(normalized_shape)
-    if normalized_ndim == 0 or tuple(x.shape[x.dim() - normalized_ndim:]) != normalized_shape:
-        raise ValueError(f"shardnorm: normalized_shape {list(normalized_shape)} does not match the trailing "
-                         f"dims of x (shape {list(x.shape)})")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != normalized_shape:
-            raise ValueError(f"shardnorm: {name} must have shape normalized_shape {list(normalized_shape)}, "
-                             f"got {list(p.shape)}")
     first_normalized = x.dim() - normalized_ndim
     token_dims, hidden_dims, param_placements = [], [], []
     for mesh_dim, p in enumerate(x.placements):
