@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The distributed checks and benchmarks on one host with 2 GPUs (NCCL), as recorded in
+# The distributed checks and benchmarks on one host with 2 or 4 GPUs (NCCL), as recorded in
 # benchmarks/gpu-runs.md. Run from the repo root; wheels for packages the host lacks (deepspeed)
-# go in .whl/. Everything lands in $WORK and is packed into $OUT/distributed_gpu.tgz.
-#   OUT=dir bash benchmarks/run_distributed_gpu.sh tests|bench|train   (train: RUNS="--norm torch|..." picks runs)
+# go in .whl/. Everything lands in $WORK and is packed into $OUT/distributed_gpu_MODE_WORKNAME.tgz.
+#   OUT=dir bash benchmarks/run_distributed_gpu.sh tests|deepspeed|bench|train
+# train: RUNS="--norm torch|..." picks runs, PROFILE_STEP=N profiles step N (0: none); all visible GPUs.
 set -uo pipefail
 WORK=${WORK:-/tmp/shardnorm-gpu}; OUT=${OUT:-$WORK}; mkdir -p "$WORK" "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/src:$PWD/tests:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 SHARDNORM_TEST_DEVICE=cuda
@@ -22,7 +23,8 @@ case "${1:-tests}" in
   tests)
     step distributed 200 python3 -m pytest -q -p no:cacheprovider tests/test_distributed_norms.py \
       tests/test_distributed_parallelize.py tests/test_distributed_reducer.py
-    step fsdp 150 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp.py
+    step fsdp 150 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp.py ;;
+  deepspeed)
     step deepspeed 200 python3 -m pytest -q -p no:cacheprovider tests/test_deepspeed_zero.py \
       tests/test_deepspeed_ulysses.py tests/test_deepspeed_autotp.py tests/test_deepspeed_config.py ;;
   bench)
@@ -33,10 +35,14 @@ case "${1:-tests}" in
     for run in "${runs[@]}"; do
       name=train_$(echo "$run" | tr -d ' -')
       # shellcheck disable=SC2086
-      TAIL=1 step "$name" 100 launch/train.sh configs/llama_small_fsdp_tp.toml $run train.steps=30 \
-        "train.out_dir=\"$WORK/$name\""
+      TAIL=1 step "$name" 120 launch/train.sh configs/llama_small_fsdp_tp.toml $run train.steps=30 \
+        train.profile_step="${PROFILE_STEP:-12}" "train.out_dir=\"$WORK/$name\""
     done
     python3 -m parallel.compare "$WORK"/train_*/ --plot "$WORK/llama_small_loss.png" > "$WORK/train_table.md" 2>&1
     cat "$WORK/train_table.md" ;;
 esac
-tar czf "$OUT/distributed_gpu_${1:-tests}.tgz" -C "$WORK" .
+# profiler traces travel on their own (they are large and already compressed)
+for trace in "$WORK"/*/profile_rank0.json.gz; do
+  [ -e "$trace" ] && mv "$trace" "$OUT/$(basename "$WORK")_$(basename "$(dirname "$trace")").json.gz"
+done
+tar czf "$OUT/distributed_gpu_${1:-tests}_$(basename "$WORK").tgz" -C "$WORK" .

@@ -20,8 +20,6 @@ NCCL on GPUs (hidden 4096 by default), gloo on CPU (a tiny model, one timed step
 
 import argparse
 import json
-import os
-import tempfile
 import time
 
 import torch
@@ -32,10 +30,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
-from torch.profiler import ProfilerActivity, profile
 
 import shardnorm
 from shardnorm.distributed import SequenceParallelNorm, attach_reducer
+from parallel.collectives import profiled_collectives
 
 VARIANTS = ("shardnorm", "shardnorm_per_layer", "torch")
 
@@ -111,37 +109,12 @@ def step(model, variant: str, batches, sync) -> tuple[float, float]:
     return fwd, bwd
 
 
-def exposed_collectives(trace: dict) -> tuple[int, float, float]:
-    """(all-reduce kernels, their total ms, ms of them not overlapped by any compute kernel)."""
-    kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "AllReduce" in e["name"]]
-    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower())
-    merged: list[list[float]] = []
-    for start, end in compute:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    exposed = 0.0
-    for start, end in comm:
-        covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
-        exposed += end - start - covered
-    return len(comm), sum(b - a for a, b in comm) / 1e3, exposed / 1e3
-
-
 def profile_step(model, variant, batches, sync, cuda: bool) -> dict:
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profiled_collectives(cuda) as found:
         step(model, variant, batches, sync)
-    if not cuda:  # gloo emulates reduce-scatter with all-reduces: count the c10d all-reduce ops instead
-        count = sum(1 for e in prof.events() if e.name == "c10d::allreduce_")
-        return {"norm_grad_collectives_per_step": count, "norm_grad_collective_ms": None, "exposed_ms": None}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            count, total_ms, exposed_ms = exposed_collectives(json.load(f))
-    return {"norm_grad_collectives_per_step": count, "norm_grad_collective_ms": total_ms, "exposed_ms": exposed_ms}
+    return {"norm_grad_collectives_per_step": found["norm_grad_all_reduces"],
+            "norm_grad_collective_ms": found.get("norm_grad_kernel_ms"),
+            "exposed_ms": found.get("norm_grad_exposed_ms")}
 
 
 def run_variant(variant: str, args, mesh, device, sync) -> dict:

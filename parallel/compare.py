@@ -21,6 +21,9 @@ COLUMNS = {
     "step (ms)": lambda s: f"{s['step_time_s'] * 1e3:.1f}",
     "peak mem (GiB)": lambda s: f"{s['peak_mem_gib']:.2f}",
     "final loss": lambda s: f"{s['final_loss']:.4f}",
+    "norm-grad all-reduces / step": lambda s: str(s.get("norm_grad_all_reduces", "-")),
+    "their kernel ms (exposed)": lambda s: (f"{s['norm_grad_kernel_ms']:.2f} ({s['norm_grad_exposed_ms']:.2f})"
+                                           if "norm_grad_kernel_ms" in s else "-"),
 }
 
 

@@ -57,6 +57,7 @@ class TrainConfig:
     check: bool = False  # after training, re-run single-process with torch norms; compare losses
     check_rtol: float = 1e-4  # allowed max relative loss difference for `check`
     timing_skip: int = 2  # first steps left out of the summary's throughput (warm-up, compile)
+    profile_step: int = 0  # profile this step's norm-grad all-reduces (count, time); 0: none
     out_dir: str = ""  # empty: runs/<config name>-<engine>-<norm>[-compile]
 
 
@@ -177,6 +178,8 @@ def validate(cfg: Config) -> None:
                        ("train.max_grad_norm", t.max_grad_norm), ("train.check_rtol", t.check_rtol),
                        ("train.timing_skip", t.timing_skip), ("model.norm_eps", m.norm_eps)]:
         _check(value >= 0, key, f"must not be negative, got {value}")
+    _check(0 <= t.profile_step <= t.steps, "train.profile_step",
+           f"must be 0 (off) or a step number up to train.steps ({t.steps}), got {t.profile_step}")
     _check(t.timing_skip < t.steps, "train.timing_skip",
            f"{t.timing_skip} leaves no timed step out of train.steps ({t.steps})")
 

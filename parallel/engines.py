@@ -62,7 +62,8 @@ class TorchEngine:
         if self.norm_reducer:
             shardnorm.finalize_grads(self.model)
         if self.max_grad_norm:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            with torch.profiler.record_function("clip_grad_norm"):  # parallel.collectives leaves it out
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

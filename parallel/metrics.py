@@ -73,8 +73,8 @@ class MetricsLogger:
             logger.info(format_step(record))
 
     def summarize(self, timing_skip: int, extra: dict) -> dict:
-        """Throughput and step time over the steps after the first `timing_skip`."""
-        timed = self.records[timing_skip:]
+        """Throughput and step time over the steps after the first `timing_skip`, less a profiled one."""
+        timed = [r for r in self.records[timing_skip:] if not r.get("profiled")]
         seconds = sum(r["step_time_s"] for r in timed)
         return {**extra,
                 "steps": len(self.records),

@@ -7,6 +7,7 @@ Rank 0 logs every step and writes metrics.jsonl, summary.json and loss.png to th
 `--check` then re-runs the same steps in one process with torch norms and compares the losses.
 """
 
+import contextlib
 import os
 import sys
 import warnings
@@ -14,6 +15,7 @@ import warnings
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from parallel.collectives import profiled_collectives
 from parallel.config import Config, ConfigError, parse_args
 from parallel.data import BatchSampler, load_tokens
 from parallel.engines import DeepSpeedEngine, TorchEngine
@@ -42,8 +44,10 @@ def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
     return engine, mesh["dp"].get_local_rank()
 
 
-def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: int) -> None:
+def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: int) -> dict:
+    """Run the steps; returns the profiled step's norm-grad collectives (empty without train.profile_step)."""
     engine, dp_rank = build_engine(cfg, runtime, dp, tp)
+    collectives: dict = {}
     tokens = load_tokens(cfg.data.path, cfg.data.corpus_bytes, cfg.train.seed)
     sampler = BatchSampler(tokens, cfg.data.seq_len, cfg.data.batch_size, cfg.train.grad_accum,
                            cfg.train.seed, dp_rank, dp)
@@ -53,11 +57,21 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
         runtime.reset_peak_memory()
         start = runtime.now()
         lr = engine.lr
-        loss = engine.step(micro_batches)
+        profiled = step == cfg.train.profile_step
+        trace = str(cfg.out_dir / "profile_rank0.json.gz") if runtime.is_main else None
+        with (profiled_collectives(runtime.device.type == "cuda", trace) if profiled
+              else contextlib.nullcontext()) as found:
+            loss = engine.step(micro_batches)
         seconds = runtime.now() - start
+        if profiled:
+            collectives = {"profiled_step": step, **found}
+            if runtime.is_main:
+                logger.info("step %d norm-grad collectives: %s", step, found)
         metrics.log_step({"step": step, "loss": runtime.mean_over_ranks(loss), "lr": lr,
                           "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / seconds,
-                          "step_time_s": seconds, "peak_mem_gib": runtime.peak_memory_gib()})
+                          "step_time_s": seconds, "peak_mem_gib": runtime.peak_memory_gib(),
+                          **({"profiled": True} if profiled else {})})
+    return collectives
 
 
 def reference_losses(cfg: Config, device: torch.device, dp: int) -> list[float]:
@@ -95,7 +109,7 @@ def main() -> None:
     setup_logging(runtime.is_main)
     metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main)
     try:
-        train(cfg, runtime, metrics, dp, tp)
+        collectives = train(cfg, runtime, metrics, dp, tp)
     finally:
         shutdown()
     if not runtime.is_main:
@@ -104,7 +118,7 @@ def main() -> None:
         "config": cfg.name, "norm": cfg.train.norm, "engine": cfg.parallel.engine,
         "world_size": world_size, "dp": dp, "tp": tp, "compile": cfg.train.compile,
         "dtype": cfg.train.dtype, "device": str(runtime.device),
-        "memory_kind": runtime.memory_kind})
+        "memory_kind": runtime.memory_kind, **collectives})
     reference = None
     if cfg.train.check:
         reference = reference_losses(cfg, runtime.device, dp)

@@ -27,6 +27,7 @@ from parallel.model import Block
 from parallel.parallelize import apply_tensor_parallel, materialize_output, parallelize
 from shardnorm.distributed.fsdp import (FSDPNormGradReducer, auto_wrap_policy, find_block_classes, no_sync,
                                         load, norm_mixed_precision, pending_grads, save, shard_model)
+from shardnorm.distributed.fsdp_checkpoint import fsdp_params
 
 pytestmark = pytest.mark.distributed
 MID_STEP = "refusing to checkpoint in the middle of gradient accumulation"
@@ -196,8 +197,7 @@ def _dp_tp2(rank, world_size, seed, path):
     assert_matches("FSDP2 × TP", losses, full_params(model), *ref)
     assert reducer.collectives == TRAIN.steps  # one bucket per optimizer step, none per micro-batch
     unsharded = [fsdp_param.unsharded_param for m in model.modules() if isinstance(m, FSDPModule)
-                 for group in m._get_fsdp_state()._fsdp_param_groups for fsdp_param in group.fsdp_params
-                 if "norm" in fsdp_param._param_fqn]
+                 for fsdp_param in fsdp_params(m) if "norm" in fsdp_param._param_fqn]
     assert len(unsharded) == 5 and all(p.sequence_parallel for p in unsharded)
 
     model = _checkpointed_compiled(seed, mesh, device)

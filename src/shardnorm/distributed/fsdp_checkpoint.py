@@ -23,18 +23,27 @@ def _nonzero(grad) -> bool:
     return bool(local.count_nonzero())
 
 
+def fsdp_params(module: FSDPModule):
+    """The FSDPParams that `module`'s fully_shard manages (torch >= 2.12 keeps a list of param groups,
+    earlier versions one group or None)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+    return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
+
+
 def pending_grads(model: nn.Module) -> list[str]:
     """What on this rank holds accumulated grads that a checkpoint would lose (parameter names)."""
     pending = [name for name, p in model.named_parameters() if _nonzero(p.grad)]
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if fsdp_param.unsharded_accumulated_grad is not None or \
-                        unsharded is not None and unsharded.grad is not None:
-                    pending.append(f"{fsdp_param._param_fqn} (FSDP no-sync grad)")
+        for fsdp_param in fsdp_params(module):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if fsdp_param.unsharded_accumulated_grad is not None or \
+                    unsharded is not None and unsharded.grad is not None:
+                pending.append(f"{fsdp_param._param_fqn} (FSDP no-sync grad)")
     reducer = getattr(model, _REDUCER_ATTR, None)
     if reducer is not None and reducer.has_pending:
         pending.append("shardnorm's norm-grad buffer")

@@ -2,8 +2,10 @@
 
 The norm op stays pure: it computes fp32 dgamma/dbeta for the rows it sees. Applied to the weight/bias
 before the op, `_RouteToReducer` gives the op fp32 copies (so the op's grads stay fp32) and, in backward,
-adds those grads into the reducer bound to the parameters and returns None: autograd never touches
-`.grad`, and nothing reduces except the reducer.
+adds those grads into the reducer bound to the parameters. Its inputs are detached from the parameters
+(fresh leaves over the same storage), so no autograd path leads from the op back to a parameter: autograd
+never touches `.grad`, and nothing reduces except the reducer. (Returning None grads through a graph
+still connected to the parameter was not enough: torch 2.11 on CUDA also accumulated `Partial` grads.)
 """
 
 import torch
@@ -39,8 +41,8 @@ def route_to_reducer(params: tuple, local: tuple, group) -> tuple:
         return local
     if len(reducers) > 1:
         raise ValueError("shardnorm: a norm's weight and bias are bound to two different reducers")
-    out = _RouteToReducer.apply(bound_reducer(params[routed[0]]), [params[i] for i in routed], group,
-                                *[local[i] for i in routed])
+    leaves = [local[i].detach().requires_grad_() for i in routed]
+    out = _RouteToReducer.apply(bound_reducer(params[routed[0]]), [params[i] for i in routed], group, *leaves)
     local = list(local)
     for i, t in zip(routed, out):
         local[i] = t
