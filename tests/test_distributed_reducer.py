@@ -159,17 +159,19 @@ def _graph_changes(mesh, counter, seed):
 def _process_group_mode(rank, world_size, seed):
     """Plain tensors in and out, plain params flagged `sequence_parallel`: without a reducer their grads
     are local partial sums (for Megatron's finalize_model_grads), with one they are the full sums."""
+    device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
     for with_reducer in (False, True):
         ref, model = _random_pair(seed)
+        model.to(device)
         for norm in model.norms:
             sequence_parallel_norm(norm, dist.group.WORLD)  # sequence dim 0: Megatron's [s, b, h]
         if with_reducer:
             attach_reducer(model)
         x, dy = torch.randn(8, 2, HIDDEN), torch.randn(8, 2, HIDDEN)
-        x_local = x.chunk(world_size)[rank].clone().requires_grad_()
+        x_local = x.chunk(world_size)[rank].to(device).requires_grad_()
         y_local = model(x_local)
         assert type(y_local) is torch.Tensor and y_local.shape == x_local.shape
-        (y_local * dy.chunk(world_size)[rank]).sum().backward()
+        (y_local * dy.chunk(world_size)[rank].to(device)).sum().backward()
         xr = x.clone().requires_grad_()
         (ref(xr) * dy).sum().backward()
         assert rel_err(x_local.grad, xr.grad.chunk(world_size)[rank]) <= TOL
@@ -239,7 +241,7 @@ def _errors(mesh):
     with pytest.raises(ValueError, match=r"eps must be >= 0"):
         shardnorm.rms_norm(x, (h,), eps=-1.0)
     with pytest.raises(ValueError, match=r"weight is a plain torch.Tensor"):
-        shardnorm.rms_norm(x, (h,), torch.randn(h, requires_grad=True))
+        shardnorm.rms_norm(x, (h,), torch.randn(h, device=x.device, requires_grad=True))
     with pytest.raises(ValueError, match=r"reduce must be 'bucketed' or 'per_layer'"):
         attach_reducer(NormStack(), reduce="per_param")
     with pytest.raises(ValueError, match=r"1-D"):

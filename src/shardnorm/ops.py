@@ -94,13 +94,22 @@ torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def _all_plain(*tensors) -> bool:
-    return all(t is None or type(t) in _PLAIN for t in tensors)
+_PENDING = "AsyncCollectiveTensor"  # a functional collective's result (e.g. a reduce-scatter's)
+
+
+def _ready(t: Optional[Tensor]) -> Optional[Tensor]:
+    """The plain tensor behind an AsyncCollectiveTensor, waited on; other tensors as they are."""
+    return t.wait() if type(t).__name__ == _PENDING else t
+
+
+def _all_plain(*tensors, pending_ok: bool = False) -> bool:
+    return all(t is None or type(t) in _PLAIN or pending_ok and type(t).__name__ == _PENDING for t in tensors)
 
 
 class _EagerNorm(torch.autograd.Function):
-    """Eager fast path over the same launchers, skipping the custom-op dispatch layers (plain tensors
-    only: subclasses, e.g. an AsyncCollectiveTensor, go through the ops, whose dispatch unwraps them).
+    """Eager fast path over the same launchers, skipping the custom-op dispatch layers, for plain
+    tensors and AsyncCollectiveTensors (waited on first: the kernels must not read a buffer that a
+    collective is still writing). Other subclasses go through the ops, whose dispatch unwraps them.
 
     Those layers cost tens of microseconds of CPU per call, as long as the whole kernel at small N
     (32768 x 1024 bf16 moves 128 MB, ~40 us): eager calls go here, torch.compile traces the ops.
@@ -108,7 +117,7 @@ class _EagerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, rms, zero_centered):
-        inputs = (x, weight, bias, residual, eps, rms, zero_centered)
+        inputs = (_ready(x), weight, bias, _ready(residual), eps, rms, zero_centered)
         output = _backend(x).norm_fwd(*inputs)
         _setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(output[2], output[3])
@@ -116,13 +125,14 @@ class _EagerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dz, _dmean, _drstd):
+        dy, dz = _ready(dy), _ready(dz)
         return _input_grads(ctx, dy, dz, _norm_bwd_impl if _all_plain(dy, dz) else norm_bwd)
 
 
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
          eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
-    fast = not torch.compiler.is_compiling() and _all_plain(x, weight, bias, residual)
+    fast = not torch.compiler.is_compiling() and _all_plain(x, weight, bias, residual, pending_ok=True)
     fwd = _EagerNorm.apply if fast else norm_fwd
     y, z, _, _ = fwd(x, weight, bias, residual, float(eps), rms, zero_centered)
     return y, (z if residual is not None else None)
