@@ -20,6 +20,7 @@ NCCL on GPUs (hidden 4096 by default), gloo on CPU (a tiny model, one timed step
 
 import argparse
 import json
+import os
 import time
 
 import torch

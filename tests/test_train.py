@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from parallel.config import TrainConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "configs/tiny_cpu.toml"
 
@@ -37,8 +39,9 @@ def run_ok(script: str, out_dir: Path, *args: str) -> tuple[dict, list[dict]]:
 
 @pytest.mark.distributed
 def test_default_config_trains_and_matches_single_process(tmp_path):
-    summary, records = run_ok("train.sh", tmp_path, TINY, "--check")
-    steps = tomllib.loads((ROOT / TINY).read_text())["train"]["steps"]
+    summary, records = run_ok("train.sh", tmp_path, TINY, "--check", "train.profile_step=3")
+    train = tomllib.loads((ROOT / TINY).read_text())["train"]
+    steps = train["steps"]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert (summary["norm"], summary["dp"], summary["tp"]) == ("shardnorm", 1, 2)
     assert summary["check_passed"] and summary["check_max_rel_diff"] <= summary["check_rtol"]
@@ -47,6 +50,10 @@ def test_default_config_trains_and_matches_single_process(tmp_path):
     assert summary["final_loss"] == last
     assert summary["tokens_per_s"] > 0 and summary["step_time_s"] > 0
     assert summary["peak_mem_gib"] > 0
+    # the profiled step: all sequence-parallel norm grads in one bucket, one all-reduce; left out of timing
+    assert (summary["profiled_step"], summary["norm_grad_all_reduces"]) == (3, 1)
+    timing_skip = train.get("timing_skip", TrainConfig.timing_skip)
+    assert summary["timed_steps"] == steps - timing_skip - 1 and records[2]["profiled"]
 
     compare = subprocess.run([sys.executable, "-m", "parallel.compare", str(tmp_path), "--plot",
                               str(tmp_path / "compare.png")], cwd=ROOT, text=True,
