@@ -41,8 +41,8 @@ case "${1:-tests}" in
     python3 -m parallel.compare "$WORK"/train_*/ --plot "$WORK/llama_small_loss.png" > "$WORK/train_table.md" 2>&1
     cat "$WORK/train_table.md" ;;
 esac
-# profiler traces travel on their own (they are large and already compressed)
-for trace in "$WORK"/*/profile_rank0.json.gz; do
-  [ -e "$trace" ] && mv "$trace" "$OUT/$(basename "$WORK")_$(basename "$(dirname "$trace")").json.gz"
-done
+# profiler traces (one per rank) travel in their own uncompressed tar: they are gzipped already
+if compgen -G "$WORK/*/profile_rank*.json.gz" > /dev/null; then
+  (cd "$WORK" && tar cf "$OUT/traces_$(basename "$WORK").tar" ./*/profile_rank*.json.gz && rm ./*/profile_rank*.json.gz)
+fi
 tar czf "$OUT/distributed_gpu_${1:-tests}_$(basename "$WORK").tgz" -C "$WORK" .

@@ -91,7 +91,7 @@ def summarize_trace(trace: dict) -> dict:
 @contextmanager
 def profiled_collectives(cuda: bool, keep_trace: str | None = None):
     """`with profiled_collectives(cuda) as found: step()`; afterwards `found` holds summarize_trace's dict.
-    `keep_trace`: also write the chrome trace there, gzipped (open it in Perfetto)."""
+    `keep_trace`: also write this rank's chrome trace there, gzipped (open it in Perfetto)."""
     found: dict = {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=True) as prof:
@@ -105,5 +105,6 @@ def profiled_collectives(cuda: bool, keep_trace: str | None = None):
             trace = json.load(f)
     found.update(summarize_trace(trace))
     if keep_trace:
+        os.makedirs(os.path.dirname(keep_trace) or ".", exist_ok=True)
         with gzip.open(keep_trace, "wt") as f:
             json.dump(trace, f)

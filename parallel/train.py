@@ -58,7 +58,7 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
         start = runtime.now()
         lr = engine.lr
         profiled = step == cfg.train.profile_step
-        trace = str(cfg.out_dir / "profile_rank0.json.gz") if runtime.is_main else None
+        trace = str(cfg.out_dir / f"profile_rank{runtime.rank}.json.gz")
         with (profiled_collectives(runtime.device.type == "cuda", trace) if profiled
               else contextlib.nullcontext()) as found:
             loss = engine.step(micro_batches)
