@@ -1,7 +1,7 @@
 """shardnorm under FSDP: the main job's Llama-style model (tiny) trains like one process.
 
-dp=2 (FSDP2 and FSDP1) and dp=2 × tp=2 (FSDP2 × sequence-parallel shardnorm norms): 3 AdamW steps of 2
-micro-batches on fresh random tokens reach the single-process losses and parameters (fp32, 1e-5),
+dp=2 (FSDP2 and FSDP1) and dp=2 × tp=2 (FSDP2 and FSDP1 × sequence-parallel shardnorm norms): 3 AdamW
+steps of 2 micro-batches on fresh random tokens reach the single-process losses and parameters (fp32, 1e-5),
 with activation checkpointing and per-block torch.compile too; which modules become FSDP units; DCP
 save at step 2 / load into a fresh model / step 3 equals the uninterrupted run; a checkpoint in the
 middle of accumulation is refused. One spawn per world size runs every case (start-up dominates).
@@ -217,14 +217,24 @@ def _dp_tp2(rank, world_size, seed, path):
     theirs = _all_reduces(torch_norms, step)
     assert (ours, theirs) == (1, 5), (ours, theirs)
 
-    # norms parallelized over the whole 2-D mesh, or FSDP1 over a TP model: refused by name
+    # FSDP1 × TP: trains like one process; DTensor reduces each norm grad over tp per micro-batch (not
+    # bucketed: 5 norm params × 2 micro-batches), FSDP1 over dp
+    fsdp1 = make_model(seed, device)
+    apply_tensor_parallel(fsdp1, mesh["tp"], "shardnorm")
+    fsdp1 = FullyShardedDataParallel(fsdp1, device_mesh=mesh["dp"], auto_wrap_policy=auto_wrap_policy(),
+                                     device_id=device)
+    losses = train(TorchEngine(fsdp1, TRAIN), batches, dp_rank, device)
+    assert_matches("FSDP1 × TP", losses, full_params(fsdp1), *ref)
+    assert _all_reduces(fsdp1, step) == 5 * TRAIN.grad_accum
+
+    # norms parallelized over the whole 2-D mesh, or FSDP1 with use_orig_params over a TP model: refused
     bad = make_model(seed, device)
     bad.norm.weight = nn.Parameter(distribute_tensor(bad.norm.weight.detach(), mesh, [Replicate()] * 2))
     with pytest.raises(ValueError, match=r"norm parameter norm\.weight is already a DTensor"):
         shard_model(bad, mesh)
     bad = make_model(seed, device)
     apply_tensor_parallel(bad, mesh["tp"], "shardnorm")
-    with pytest.raises(NotImplementedError, match="FSDP1 × tensor parallelism"):
+    with pytest.raises(NotImplementedError, match="FSDP1 × tensor parallelism with use_orig_params=True"):
         FullyShardedDataParallel(bad, auto_wrap_policy=auto_wrap_policy(), use_orig_params=True,
                                  device_id=device)
 

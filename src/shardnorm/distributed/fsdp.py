@@ -77,11 +77,13 @@ class BlockWrapPolicy(ModuleWrapPolicy):
         self._given = tuple(classes) if classes else None
 
     def _run_policy(self, root_module, ignored_modules, root_kwargs):
-        for fqn, m in root_module.named_modules():
-            if isinstance(m, SHARDNORM_CLASSES) and any(isinstance(p, DTensor) for p in m.parameters()):
-                raise NotImplementedError(
-                    f"shardnorm: FSDP1 × tensor parallelism is not supported: norm {fqn} has DTensor params, "
-                    f"whose tp-partial grads FSDP1 would reduce over dp only; use shardnorm.fsdp.shard_model")
+        if root_kwargs.get("use_orig_params"):
+            for fqn, m in root_module.named_modules():
+                if isinstance(m, SHARDNORM_CLASSES) and any(isinstance(p, DTensor) for p in m.parameters()):
+                    raise NotImplementedError(
+                        f"shardnorm: FSDP1 × tensor parallelism with use_orig_params=True is not supported "
+                        f"(norm {fqn} has DTensor params; torch's FSDP1 fails on DTensor params in this mode, "
+                        f"torch norms too): pass use_orig_params=False, or use shardnorm.fsdp.shard_model")
         self._module_classes = set(_checked_block_classes(root_module, self._given))
         return super()._run_policy(root_module, ignored_modules, root_kwargs)
 
