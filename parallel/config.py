@@ -49,6 +49,7 @@ class TrainConfig:
     lr: float = 3e-3
     warmup_steps: int = 5
     weight_decay: float = 0.0
+    adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping
     seed: int = 0
     dtype: str = "float32"  # or "bfloat16": bf16 compute, fp32 params, grads reduced in fp32
@@ -174,7 +175,7 @@ def validate(cfg: Config) -> None:
            "parallel.deepspeed_config", f"{p.deepspeed_config} is not a file")
     _check(not d.path or Path(d.path).is_file(), "data.path", f"{d.path} is not a file")
     for key, value in [("train.lr", t.lr), ("train.warmup_steps", t.warmup_steps),
-                       ("train.weight_decay", t.weight_decay),
+                       ("train.weight_decay", t.weight_decay), ("train.adam_eps", t.adam_eps),
                        ("train.max_grad_norm", t.max_grad_norm), ("train.check_rtol", t.check_rtol),
                        ("train.timing_skip", t.timing_skip), ("model.norm_eps", m.norm_eps)]:
         _check(value >= 0, key, f"must not be negative, got {value}")

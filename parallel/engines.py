@@ -25,7 +25,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def build_optimizer(model: nn.Module, train: TrainConfig):
     """AdamW with linear warm-up, then cosine decay to 10% of the peak learning rate."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.95), eps=train.adam_eps,
                                   weight_decay=train.weight_decay)
 
     def lr_factor(step: int) -> float:
