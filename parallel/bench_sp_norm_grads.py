@@ -198,6 +198,7 @@ def main():
             print(f"{v:>20}: backward {r['backward_ms_per_step']:.1f} ms/step, "
                   f"{r['norm_grad_collectives_per_step']} norm-grad all-reduces/step, "
                   f"exposed {r['exposed_ms']} ms")
+    dist.barrier()  # every rank done with its collectives before any tears its group down
     dist.destroy_process_group()
 
 

@@ -82,6 +82,11 @@ def init_runtime(deepspeed: bool = False) -> Runtime:
     return Runtime(rank, world_size, device)
 
 
-def shutdown() -> None:
+def shutdown(wait_for_peers: bool = True) -> None:
+    """Leave the process group. After a clean run, first wait for every rank: a rank that tore down its
+    gloo group while a peer was still finishing the last collective aborted ("terminate called without
+    an active exception", ~1 run in 6 on a loaded 2-core machine; none in 36 with the barrier)."""
     if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()

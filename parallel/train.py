@@ -110,8 +110,10 @@ def main() -> None:
     metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main)
     try:
         collectives = train(cfg, runtime, metrics, dp, tp)
-    finally:
-        shutdown()
+    except BaseException:
+        shutdown(wait_for_peers=False)  # the launcher stops the other ranks
+        raise
+    shutdown()
     if not runtime.is_main:
         return
     summary = metrics.summarize(cfg.train.timing_skip, {

@@ -34,6 +34,7 @@ def _entry(rank, world_size, port, body, args):
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         body(rank, world_size, *args)
+        dist.barrier()  # no rank tears down its group while a peer is still in a collective
     finally:
         dist.destroy_process_group()
 
