@@ -46,10 +46,10 @@ def reference_norm(x, weight, bias, residual, eps, rms, zero_centered=False):
     return y
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64; NaN anywhere makes it inf."""
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """||actual - expected|| / ||scale|| (default: expected) in float64; NaN anywhere makes it inf."""
     diff = (actual.double().cpu() - expected.double().cpu()).norm().item()
-    scale = expected.double().norm().item()
+    scale = (expected if scale is None else scale).double().norm().item()
     if diff != diff:
         return float("inf")
     return diff / scale if scale > 0 else diff
