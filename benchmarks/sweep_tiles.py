@@ -78,7 +78,8 @@ def main():
                 try:
                     if backward:
                         y = fn()
-                        ms = do_bench(lambda: y.backward(dy, retain_graph=True), grad_to_none=[x, w, b] if b is not None else [x, w], return_mode="median")
+                        ms = do_bench(lambda: y.backward(dy, retain_graph=True),
+                                      grad_to_none=[x, w, b] if b is not None else [x, w], return_mode="median")
                         gbs = 3 * nbytes / ms / 1e6
                     else:
                         ms = do_bench(fn, return_mode="median")

@@ -58,9 +58,10 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
         start = runtime.now()
         lr = engine.lr
         profiled = step == cfg.train.profile_step
-        trace = str(cfg.out_dir / f"profile_rank{runtime.rank}.json.gz")
-        with (profiled_collectives(runtime.device.type == "cuda", trace) if profiled
-              else contextlib.nullcontext()) as found:
+        profiler = (profiled_collectives(runtime.device.type == "cuda",
+                                         str(cfg.out_dir / f"profile_rank{runtime.rank}.json.gz"))
+                    if profiled else contextlib.nullcontext())
+        with profiler as found:
             loss = engine.step(micro_batches)
         seconds = runtime.now() - start
         if profiled:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multiprocess import DEVICE
+from multiprocess import DEVICE, rank_device
 
 if DEVICE == "cpu":
     os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
@@ -26,16 +26,11 @@ def load_config(name: str) -> dict:
     return json.loads((CONFIGS / name).read_text())
 
 
-def init_test_device(rank: int) -> torch.device:
-    """Inside a spawned rank: the device to run on (also used by the FSDP tests)."""
-    return torch.device("cuda", rank) if DEVICE == "cuda" else torch.device("cpu")
-
-
 def use_test_device(rank: int) -> torch.device:
-    """`init_test_device`, with deepspeed.comm set up on the default group."""
+    """`multiprocess.rank_device`, with deepspeed.comm set up on the default group."""
     import deepspeed
 
-    device = init_test_device(rank)
+    device = rank_device(rank)
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     return device
 

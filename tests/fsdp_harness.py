@@ -1,14 +1,13 @@
 """Shared pieces of the FSDP tests: the main job's Llama-style model and engine at a tiny size, fresh
 random token batches, the single-process reference run and full-parameter comparison.
 
-Device: as for the DeepSpeed tests (`deepspeed_harness.DEVICE`, `init_test_device`): gloo on CPU, or
-NCCL on CUDA with SHARDNORM_TEST_DEVICE=cuda and >= 2 GPUs.
+Device: `multiprocess.DEVICE` / `rank_device`: gloo on CPU, or NCCL on CUDA with
+SHARDNORM_TEST_DEVICE=cuda and >= 2 GPUs.
 """
 
 import torch
 import torch.distributed as dist
 from conftest import rel_err
-from deepspeed_harness import DEVICE, init_test_device  # noqa: F401 (re-exported for the tests)
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor

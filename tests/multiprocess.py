@@ -7,27 +7,27 @@ device); `DEVICE` is what tests pass to `init_device_mesh`, which puts DTensors 
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from parallel.runtime import free_port
+
 DEVICE = os.environ.get("SHARDNORM_TEST_DEVICE") or "cpu"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rank_device(rank: int) -> torch.device:
+    """The device a spawned rank runs on: its own GPU under SHARDNORM_TEST_DEVICE=cuda, else the CPU."""
+    return torch.device("cuda", rank) if DEVICE == "cuda" else torch.device("cpu")
 
 
 def _entry(rank, world_size, port, body, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if DEVICE == "cuda":
-        device = torch.device("cuda", rank)
+        device = rank_device(rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
     else:
@@ -43,4 +43,4 @@ def spawn(body, world_size: int, *args) -> None:
     """Run `body(rank, world_size, *args)` on `world_size` ranks; raise if any rank fails."""
     if DEVICE == "cuda" and world_size > torch.cuda.device_count():
         pytest.skip(f"{world_size} ranks need {world_size} GPUs, {torch.cuda.device_count()} visible")
-    mp.spawn(_entry, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, free_port(), body, args), nprocs=world_size, join=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import rel_err
-from multiprocess import DEVICE, spawn
+from multiprocess import DEVICE, rank_device, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -159,7 +159,7 @@ def _graph_changes(mesh, counter, seed):
 def _process_group_mode(rank, world_size, seed):
     """Plain tensors in and out, plain params flagged `sequence_parallel`: without a reducer their grads
     are local partial sums (for Megatron's finalize_model_grads), with one they are the full sums."""
-    device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    device = rank_device(rank)
     for with_reducer in (False, True):
         ref, model = _random_pair(seed)
         model.to(device)

@@ -12,17 +12,17 @@ import warnings
 
 import pytest
 import torch
-from fsdp_harness import (DEVICE, TRAIN, TorchEngine, assert_grads_match, assert_matches, full_params,
-                          init_test_device, make_model, rank_rows, reference, step_grads, token_batches, train)
-from multiprocess import spawn
+from fsdp_harness import (TRAIN, TorchEngine, assert_grads_match, assert_matches, full_params,
+                          make_model, rank_rows, reference, step_grads, token_batches, train)
+from multiprocess import DEVICE, rank_device, spawn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import Replicate, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardnorm
+from parallel.bench_fsdp import AllReduceCounter
 from parallel.model import Block
 from parallel.parallelize import apply_tensor_parallel, materialize_output, parallelize
 from shardnorm.distributed.fsdp import (FSDPNormGradReducer, auto_wrap_policy, find_block_classes, no_sync,
@@ -99,7 +99,7 @@ def _shard_main_job(seed, mesh, device):
 
 def _dp2(rank, world_size, seed, path):
     _quiet()
-    device = init_test_device(rank)
+    device = rank_device(rank)
     batches = token_batches(seed, world_size)
     ref = reference(seed, batches)
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
@@ -154,30 +154,16 @@ def test_fsdp_dp2(tmp_path):
 
 # ---- 4 processes: dp=2 × tp=2, sequence-parallel norms (dp=1 × tp=2 on 2 GPUs) ---------------------------
 
-class _CountAllReduces(TorchDispatchMode):
-    """All-reduces issued, eager (c10d) or functional (DTensor redistribute)."""
-
-    OPS = (torch.ops.c10d.allreduce_, torch.ops._c10d_functional.all_reduce)
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket in self.OPS
-        return func(*args, **(kwargs or {}))
-
-
 def _all_reduces(model, batch) -> int:
     engine = TorchEngine(model, TRAIN, norm_reducer=True)
-    with _CountAllReduces() as counter:
+    with AllReduceCounter() as counter:
         engine.step(batch)
     return counter.count
 
 
 def _dp_tp2(rank, world_size, seed, path):
     _quiet()
-    device = init_test_device(rank)
+    device = rank_device(rank)
     dp = world_size // 2
     batches = token_batches(seed, dp)
     ref = reference(seed, batches)

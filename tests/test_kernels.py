@@ -78,7 +78,8 @@ def run_case(device, n, rms, dtype, *, rows=6, weight_dtype=torch.float32, bias=
         sums.append(("dbias", b.grad, br.grad, dyd.abs().sum(0)))
     for name, actual, expected, magnitude in sums:
         err = rel_err(actual.detach(), expected, scale=magnitude)
-        assert err <= TOL[weight_dtype], f"{name}: error {err:.3g} of the terms' magnitude > {TOL[weight_dtype]} ({ctx})"
+        tol = TOL[weight_dtype]
+        assert err <= tol, f"{name}: error {err:.3g} of the terms' magnitude > {tol} ({ctx})"
 
 
 @pytest.mark.parametrize("n", HIDDEN)

@@ -92,8 +92,6 @@ torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
-
-
 _PENDING = "AsyncCollectiveTensor"  # a functional collective's result (e.g. a reduce-scatter's)
 
 

@@ -1,8 +1,8 @@
 """Launch heuristics for the norm kernels, all in one place.
 
 Everything here is keyed on the hidden size N (and, for the backward, on how many partial sums it
-keeps), never on the number of rows M, so a new batch or sequence length never triggers a Triton recompilation (M is a
-runtime argument marked `do_not_specialize`).
+keeps), never on the number of rows M, so a new batch or sequence length never triggers a Triton
+recompilation (M is a runtime argument marked `do_not_specialize`).
 
 - BLOCK_N: the column tile. While a whole row fits (N <= MAX_FUSED_N) it is next_pow2(N) and the
   kernels run one pass over x/dy (SINGLE_PASS); above that the row is walked in BLOCK_N chunks,
@@ -63,9 +63,9 @@ def bwd_config(n: int, num_partials: int) -> TileConfig:
     # From N = 1024 up one row per iteration (the dgamma/dbeta accumulators already fill the
     # registers); below, rows up to 1K elements a tile. More persistent programs per SM for small
     # rows keep enough loads in flight.
-    return TileConfig(block_m=max(1, 1024 // block_n), block_n=block_n, num_warps=4 if block_n <= 1024 else 8 if block_n <= 8192 else 16,
-                      single_pass=True, programs_per_sm=4 if block_n <= 4096 else 2,
-                      num_stages=2 if block_n <= 1024 else 1)
+    return TileConfig(block_m=max(1, 1024 // block_n), block_n=block_n,
+                      num_warps=4 if block_n <= 1024 else 8 if block_n <= 8192 else 16, single_pass=True,
+                      programs_per_sm=4 if block_n <= 4096 else 2, num_stages=2 if block_n <= 1024 else 1)
 
 
 def bwd_programs(cfg: TileConfig, num_row_blocks: int, sm_count: int) -> int:
