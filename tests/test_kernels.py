@@ -15,7 +15,7 @@ from conftest import reference_norm, rel_err
 from shardnorm.kernels import config
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
-# 9000: LayerNorm backward chunked, forward one-pass; the last: both chunked.
+# 9000: LayerNorm backward split (two passes), forward one-pass; the last: forward chunked, backward split.
 HIDDEN = (1, 7, 127, 1000, 4096, 5120, 9000, config.MAX_FUSED_N_FWD + 7232)
 
 
@@ -123,11 +123,11 @@ def test_strided_rows(backend, device):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("n,rows", [(1000, 301), (config.MAX_FUSED_N_FWD + 7232, 41)], ids=["one_pass", "chunked"])
+@pytest.mark.parametrize("n,rows", [(1000, 301), (config.MAX_FUSED_N_FWD + 7232, 41)], ids=["one_pass", "split"])
 def test_backward_is_bitwise_deterministic(backend, device, rms, n, rows):
     """Many persistent programs, each with its own partial row: repeated runs agree bit for bit."""
-    tile = config.bwd_config(n, 1 if rms else 2)
-    assert config.bwd_programs(tile, -(-rows // tile.block_m), config.INTERPRETER_SM_COUNT) > 1
+    cfg = config.bwd_config(n, 1 if rms else 2)
+    assert config.partial_rows(cfg, rows, n, config.INTERPRETER_SM_COUNT) > 1
     _seeded()
     x = torch.randn(rows, n, device=device)
     w = torch.randn(n, device=device, requires_grad=True)

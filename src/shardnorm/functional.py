@@ -28,33 +28,37 @@ def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if len(shape) == 0 or any(d <= 0 for d in shape):
+    if len(shape) == 0 or min(shape) <= 0:
         raise ValueError(f"normalized_shape must be a non-empty shape of positive sizes, got {list(shape)}")
-    if x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
+    if x.dim() < len(shape) or x.shape[-len(shape):] != shape:
         raise ValueError(f"normalized_shape {list(shape)} does not match the trailing dims of x "
                          f"(shape {list(x.shape)})")
+    device = x.device
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
         if residual.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"residual must be float32, bfloat16 or float16, got {residual.dtype}")
-        if residual.device != x.device:
-            raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
+        if residual.device != device:
+            raise ValueError(f"residual is on {residual.device} but x is on {device}")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
-        if tuple(p.shape) != shape:
+        if p.shape != shape:
             raise ValueError(f"{name} must have shape normalized_shape {list(shape)}, got {list(p.shape)}")
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {p.dtype}")
-        if p.device != x.device:
-            raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
+        if p.device != device:
+            raise ValueError(f"{name} is on {p.device} but x is on {device}")
     if not eps >= 0:  # also rejects NaN
         raise ValueError(f"eps must be >= 0, got {eps}")
 
 
-def _rows(t: Tensor, n: int) -> Tensor:
-    """[..., N] as [M, N] with a contiguous last dim (a view where strides allow)."""
+def _rows(t: Tensor, n: int, flat: bool = False) -> Tensor:
+    """[..., N] as [M, N] with a contiguous last dim (a view where strides allow); `flat`: t is
+    already [M, N]."""
+    if flat and t.stride(1) == 1:
+        return t
     t = t.reshape(-1, n)
     return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
 
@@ -67,11 +71,19 @@ def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool
         from .distributed.dtensor import norm_dtensor
 
         return norm_dtensor(x, weight, bias, residual, eps, rms, zero_centered, shape)
-    n = math.prod(shape)
-    y, z = ops.norm(_rows(x, n), weight.reshape(n) if weight is not None else None,
-                    bias.reshape(n) if bias is not None else None,
-                    _rows(residual, n) if residual is not None else None, eps, rms, zero_centered)
+    # [M, N] inputs with 1-D parameters (the common case) pass straight through: at small sizes
+    # every reshape and view is host time the kernel cannot hide.
+    n = shape[0] if len(shape) == 1 else math.prod(shape)
+    flat = x.dim() == 2 and len(shape) == 1
+    y, z = ops.norm(_rows(x, n, flat), _flat(weight, n), _flat(bias, n),
+                    _rows(residual, n, flat) if residual is not None else None, eps, rms, zero_centered)
+    if flat:
+        return y, z
     return y.view(x.shape), (z.view(x.shape) if z is not None else None)
+
+
+def _flat(p: Optional[Tensor], n: int) -> Optional[Tensor]:
+    return p if p is None or p.dim() == 1 else p.reshape(n)
 
 
 def layer_norm(x: Tensor, normalized_shape: ShapeLike, weight: Optional[Tensor] = None,

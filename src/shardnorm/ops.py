@@ -4,7 +4,7 @@ them without graph breaks.
 `shardnorm::norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
 `shardnorm::norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)`
 work on 2-D [M, N] tensors whose last dim is contiguous. Absent outputs (z without a residual, mean
-for RMSNorm, dw/db without weight/bias) are empty tensors. dw/db come in the weight's dtype: the
+for RMSNorm, dw/db without weight/bias) are None from the backends and empty tensors from the ops. dw/db come in the weight's dtype: the
 kernel's fp32 partial sums, reduced in fp32 in a fixed order, rounded once (so no cast kernel
 follows; the distributed reducer passes fp32 weights to get fp32 grads).
 
@@ -34,10 +34,15 @@ def _backend(x: Tensor):
     raise ValueError(f"SHARDNORM_BACKEND must be one of {BACKENDS}, got {name!r}")
 
 
+def _present(outputs: tuple, like: Tensor) -> tuple:
+    """Absent outputs (None) as empty tensors: a custom op's schema returns Tensors."""
+    return tuple(like.new_empty(0) if t is None else t for t in outputs)
+
+
 @torch.library.custom_op("shardnorm::norm_fwd", mutates_args=())
 def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
              eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _backend(x).norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+    return _present(_backend(x).norm_fwd(x, weight, bias, residual, eps, rms, zero_centered), x)
 
 
 @norm_fwd.register_fake
@@ -55,9 +60,9 @@ def _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered
 
 
 @torch.library.custom_op("shardnorm::norm_bwd", mutates_args=())
-def norm_bwd(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Tensor], mean: Tensor,
+def norm_bwd(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
              rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+    return _present(_norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
 
 
 @norm_bwd.register_fake
@@ -111,6 +116,7 @@ class _EagerNorm(torch.autograd.Function):
 
     Those layers cost tens of microseconds of CPU per call, as long as the whole kernel at small N
     (32768 x 1024 bf16 moves 128 MB, ~40 us): eager calls go here, torch.compile traces the ops.
+    Returns y, or (y, z) with a residual; the statistics stay in ctx.
     """
 
     @staticmethod
@@ -118,11 +124,10 @@ class _EagerNorm(torch.autograd.Function):
         inputs = (_ready(x), weight, bias, _ready(residual), eps, rms, zero_centered)
         output = _backend(x).norm_fwd(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(output[2], output[3])
-        return output
+        return output[0] if residual is None else output[:2]
 
     @staticmethod
-    def backward(ctx, dy, dz, _dmean, _drstd):
+    def backward(ctx, dy, dz=None):
         dy, dz = _ready(dy), _ready(dz)
         return _input_grads(ctx, dy, dz, _norm_bwd_impl if _all_plain(dy, dz) else norm_bwd)
 
@@ -130,7 +135,8 @@ class _EagerNorm(torch.autograd.Function):
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
          eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
-    fast = not torch.compiler.is_compiling() and _all_plain(x, weight, bias, residual, pending_ok=True)
-    fwd = _EagerNorm.apply if fast else norm_fwd
-    y, z, _, _ = fwd(x, weight, bias, residual, float(eps), rms, zero_centered)
+    if not torch.compiler.is_compiling() and _all_plain(x, weight, bias, residual, pending_ok=True):
+        out = _EagerNorm.apply(x, weight, bias, residual, float(eps), rms, zero_centered)
+        return (out, None) if residual is None else out
+    y, z, _, _ = norm_fwd(x, weight, bias, residual, float(eps), rms, zero_centered)
     return y, (z if residual is not None else None)

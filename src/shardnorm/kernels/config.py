@@ -4,14 +4,16 @@ Everything here is keyed on the hidden size N (and, for the backward, on how man
 keeps), never on the number of rows M, so a new batch or sequence length never triggers a Triton
 recompilation (M is a runtime argument marked `do_not_specialize`).
 
-- BLOCK_N: the column tile. While a whole row fits (N <= MAX_FUSED_N) it is next_pow2(N) and the
-  kernels run one pass over x/dy (SINGLE_PASS); above that the row is walked in BLOCK_N chunks,
-  once for the row statistics and again to write, instead of spilling registers.
-- BLOCK_M: rows per tile; num_warps grows with the tile so each thread holds a bounded number of
-  elements.
-- Backward is persistent: `bwd_programs` programs walk the row blocks grid-stride, each keeping its
-  dgamma/dbeta partial sum in registers, then write one fp32 row of the [P, N] partial buffer. Its
-  one-pass limit depends on how many partial sums (dgamma, dbeta) stay live in registers.
+- Forward: while a row fits in registers (N <= MAX_FUSED_N_FWD) one pass, BLOCK_M rows of
+  next_pow2(N) per program, one program per row block. Above, each row is walked twice in BLOCK_N
+  chunks (statistics, then normalize), one program per row.
+- Backward, fused (N <= MAX_FUSED_N_BWD): persistent programs walk the rows grid-stride, each
+  keeping its dgamma/dbeta partial sum in registers, then write one fp32 row of the [P, N] partial
+  buffer. Its limit depends on how many partial sums (dgamma, dbeta) stay live in registers.
+- Backward, split (longer rows): a row-sums pass over [BLOCK_M, BLOCK_N] tiles (per-tile partial
+  row sums, and dgamma/dbeta partials per row group in registers), then an elementwise dx pass.
+  Two reads of x and dy instead of one, but both passes are register-light and run at copy speed.
+- num_warps grows with the tile so each thread holds a bounded number of elements.
 
 `benchmarks/sweep_tiles.py` measures alternatives by replacing `fwd_config` / `bwd_config` here;
 `benchmarks/NOTES.md` records what was measured and why these values.
@@ -19,14 +21,24 @@ recompilation (M is a runtime argument marked `do_not_specialize`).
 
 import functools
 from dataclasses import dataclass
+from typing import Union
 
-import triton
+import torch
 
-# Largest row kept in registers in one pass (elements). Above it the chunked path runs.
+# Largest row kept in registers in one pass (elements). Above it the chunked/split paths run.
 MAX_FUSED_N_FWD = 32768
 MAX_FUSED_N_BWD = {0: 16384, 1: 16384, 2: 8192}  # by the number of partial sums (dgamma, dbeta)
 # SM count used where there is no CUDA device (TRITON_INTERPRET on CPU tensors).
 INTERPRETER_SM_COUNT = 4
+
+
+def cdiv(a: int, b: int) -> int:
+    """Plain-int ceil division (triton.cdiv is a constexpr function: microseconds per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -34,40 +46,81 @@ class TileConfig:
     block_m: int
     block_n: int
     num_warps: int
-    single_pass: bool
-    programs_per_sm: int = 2  # persistent backward programs per SM
+    single_pass: bool = True
+    programs_per_sm: int = 0  # persistent programs per SM; 0: one program per tile
     num_stages: int = 1  # software-pipelining depth of the row-block and chunk loops
 
 
-# Chunked (large-N) paths. Backward: 8 rows x 1024 columns per tile amortizes the read-modify-write
-# of the program's own partial row over 8 rows; pipelined 2 deep (sweep on H100, NOTES.md).
-FWD_CHUNKED = TileConfig(block_m=1, block_n=4096, num_warps=8, single_pass=False, num_stages=2)
-BWD_CHUNKED = TileConfig(block_m=8, block_n=1024, num_warps=4, single_pass=False, programs_per_sm=2, num_stages=2)
+@dataclass(frozen=True)
+class SplitBwdConfig:
+    """The two passes of the split backward; `row_sums.programs_per_sm` sizes its grid of column
+    tiles x row groups, so it sets how many dgamma/dbeta partial rows there are."""
+    row_sums: TileConfig
+    dx: TileConfig
+
+
+BwdConfig = Union[TileConfig, SplitBwdConfig]
+
+# Large-N paths, from the H100 sweep (benchmarks/NOTES.md, v5).
+FWD_CHUNKED = TileConfig(block_m=1, block_n=4096, num_warps=16, single_pass=False)
+BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warps=16, programs_per_sm=2, num_stages=3),
+                           dx=TileConfig(block_m=1, block_n=4096, num_warps=8))
 
 
 @functools.lru_cache(maxsize=None)
 def fwd_config(n: int) -> TileConfig:
     if n > MAX_FUSED_N_FWD:
         return FWD_CHUNKED
-    block_n = triton.next_power_of_2(n)
+    block_n = next_pow2(n)
     # Small rows: several per program so each tile holds 8K elements (QK-norm rows of 64-256 too).
-    return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n,
-                      num_warps=8 if block_n <= 8192 else 16, single_pass=True)
+    return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n, num_warps=8 if block_n <= 8192 else 16)
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_config(n: int, num_partials: int) -> TileConfig:
+def bwd_config(n: int, num_partials: int) -> BwdConfig:
     if n > MAX_FUSED_N_BWD[num_partials]:
-        return BWD_CHUNKED
-    block_n = triton.next_power_of_2(n)
+        return BWD_SPLIT
+    block_n = next_pow2(n)
     # From N = 1024 up one row per iteration (the dgamma/dbeta accumulators already fill the
     # registers); below, rows up to 1K elements a tile. More persistent programs per SM for small
     # rows keep enough loads in flight.
     return TileConfig(block_m=max(1, 1024 // block_n), block_n=block_n,
-                      num_warps=4 if block_n <= 1024 else 8 if block_n <= 8192 else 16, single_pass=True,
+                      num_warps=4 if block_n <= 1024 else 8 if block_n <= 8192 else 16,
                       programs_per_sm=4 if block_n <= 4096 else 2, num_stages=2 if block_n <= 1024 else 1)
 
 
-def bwd_programs(cfg: TileConfig, num_row_blocks: int, sm_count: int) -> int:
-    """At least one program (it writes a zero partial when M == 0), at most one per row block."""
-    return max(1, min(sm_count * cfg.programs_per_sm, num_row_blocks))
+def persistent_programs(cfg: TileConfig, num_tiles: int, sm_count: int) -> int:
+    """Programs of a grid-stride launch over num_tiles: at least one (a backward writes a zero
+    partial row when M == 0), at most one per tile; one per tile where the config is not persistent."""
+    if cfg.programs_per_sm == 0:
+        return max(1, num_tiles)
+    return max(1, min(sm_count * cfg.programs_per_sm, num_tiles))
+
+
+def row_groups(cfg: SplitBwdConfig, m: int, n: int, sm_count: int) -> int:
+    """Row groups of the split backward's row-sums pass: enough column tiles x groups to fill
+    `programs_per_sm` programs on every SM; each group is one partial row."""
+    col_tiles = cdiv(n, cfg.row_sums.block_n)
+    wanted = cdiv(sm_count * cfg.row_sums.programs_per_sm, col_tiles)
+    return max(1, min(wanted, cdiv(m, cfg.row_sums.block_m)))
+
+
+def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
+    """Rows of the backward's fp32 [P, G*N] dgamma/dbeta partial buffer for M x N."""
+    if isinstance(cfg, SplitBwdConfig):
+        return row_groups(cfg, m, n, sm_count)
+    return persistent_programs(cfg, cdiv(m, cfg.block_m), sm_count)
+
+
+@functools.lru_cache(maxsize=None)
+def column_sum_block(k: int, sms: int) -> int:
+    """Column tile of the dgamma/dbeta reduction over a [P, k] buffer: narrow for narrow buffers,
+    so the reduction spreads over enough programs."""
+    return min(256, max(32, next_pow2(cdiv(k, 2 * sms))))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,13 +1,15 @@
 """Backward kernels of the norm family and their launcher.
 
-`norm_bwd_kernel` is persistent: P programs walk the row blocks grid-stride, write dx, and keep
-dgamma/dbeta partial sums in fp32 (in registers on the one-pass path, in the program's own row of
-the partial buffer on the chunked path). Each program owns one row of a [P, G*N] fp32 buffer and
-writes it even when it got no rows. `column_sum_kernel` then reduces that buffer over P in a fixed
-order. Together: deterministic (bitwise repeatable), no atomics, no locks.
-"""
+Rows that fit in registers take `norm_bwd_kernel`, one pass over x and dy: P persistent programs walk
+the row blocks grid-stride, write dx, and keep dgamma/dbeta partial sums in fp32 registers. Longer
+rows take the split backward: `row_sums_kernel` reads [BLOCK_M, BLOCK_N] tiles for the two per-row
+reductions dx needs (partial sums per column tile) and the dgamma/dbeta partials, then `dx_kernel`
+reads the tiles again and writes dx.
 
-import functools
+Either way each program (row group) owns one row of a [P, G*N] fp32 partial buffer and writes it
+even when it got no rows; `column_sum_kernel` reduces that buffer over P in a fixed order.
+Deterministic (bitwise repeatable), no atomics, no locks.
+"""
 
 import torch
 import triton
@@ -53,80 +55,104 @@ def _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, stride_dx, st
 
 @triton.jit(do_not_specialize=["M"])
 def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
-                    stride_src, stride_dy, stride_dz, stride_dx, M, N,
+                    stride_src, stride_dy, stride_dz, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                    NUM_STAGES: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One pass: whole rows (BLOCK_N >= N) in registers, dgamma/dbeta accumulated across row blocks."""
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_blocks = tl.cdiv(M, BLOCK_M)
-    # Partial buffer row of this program: [dgamma (N) | dbeta (N)], fp32.
-    dw_out = PARTIAL + pid.to(tl.int64) * (N * (HAS_WEIGHT + HAS_BIAS))
-    db_out = dw_out + N * HAS_WEIGHT
-    if SINGLE_PASS:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for block in tl.range(pid, num_blocks, num_programs, num_stages=NUM_STAGES):
-            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows < M
-            rows64 = rows.to(tl.int64)
-            mask = row_mask[:, None] & col_mask[None, :]
-            xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
-                                            stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
-            c1 = tl.sum(xhat * wdy, axis=1) / N
-            c2 = tl.sum(wdy, axis=1) / N
-            _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, stride_dx, stride_dz, IS_RMS, HAS_DZ)
-            if HAS_WEIGHT:
-                dw_acc += dy * xhat
-            if HAS_BIAS:
-                db_acc += dy
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
+                                        stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        c2 = tl.sum(wdy, axis=1) / N
+        _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
         if HAS_WEIGHT:
-            tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+            dw_acc += dy * xhat
         if HAS_BIAS:
-            tl.store(db_out + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+            db_acc += dy
+    _store_partials(dw_acc, db_acc, PARTIAL, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def _store_partials(dw_acc, db_acc, PARTIAL, row, cols, col_mask, N,
+                    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row `row` of the partial buffer: [dgamma (N) | dbeta (N)], fp32, the columns `cols` of it."""
+    if HAS_WEIGHT:
+        dw_out = PARTIAL + row.to(tl.int64) * (N * (1 + HAS_BIAS))
+        tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        db_out = PARTIAL + row.to(tl.int64) * (N * (1 + HAS_WEIGHT)) + N * HAS_WEIGHT
+        tl.store(db_out + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, stride_dy, M, N,
+                    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
+    """Split backward, pass 1. Program (t, g) takes column tile t of row groups g, g + G, ...: per row
+    it writes the tile's sums of xhat*w*dy and w*dy (LayerNorm) to ROW_SUMS[0|1, row, t]; it keeps the
+    tile's dgamma/dbeta sums in registers and writes them as row g of the partial buffer."""
+    tile = tl.program_id(0)
+    num_tiles = tl.num_programs(0)
+    group = tl.program_id(1)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for block in tl.range(group, tl.cdiv(M, BLOCK_M), tl.num_programs(1), num_stages=NUM_STAGES):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
+                                        stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+        sums_at = ROW_SUMS + rows64 * num_tiles + tile
+        tl.store(sums_at, tl.sum(xhat * wdy, axis=1), mask=row_mask)
+        if not IS_RMS:
+            tl.store(sums_at + M.to(tl.int64) * num_tiles, tl.sum(wdy, axis=1), mask=row_mask)
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+    _store_partials(dw_acc, db_acc, PARTIAL, group, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def dx_kernel(SRC, DY, DZ, W, MEAN, RSTD, ROW_SUMS, DX, stride_src, stride_dy, stride_dz, M, N,
+              NUM_SUM_TILES, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DZ: tl.constexpr,
+              ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              SUM_TILES: tl.constexpr):
+    """Split backward, pass 2: one [BLOCK_M, BLOCK_N] tile of dx, the rows' sums added up from
+    ROW_SUMS in a fixed order (SUM_TILES = next_pow2(NUM_SUM_TILES))."""
+    col_tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    rows = (pid // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    rows64 = rows.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
+    xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
+                                    stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+    tiles = tl.arange(0, SUM_TILES)
+    sums_at = ROW_SUMS + rows64[:, None] * NUM_SUM_TILES + tiles[None, :]
+    sums_mask = row_mask[:, None] & (tiles < NUM_SUM_TILES)[None, :]
+    c1 = tl.sum(tl.load(sums_at, mask=sums_mask, other=0.0), axis=1) / N
+    if IS_RMS:
+        c2 = c1
     else:
-        # Chunked rows: pass 1 gathers the two row reductions, pass 2 writes dx and adds this
-        # block's dgamma/dbeta into the program's own partial row (re-read from L2).
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
-            zero = tl.zeros([BLOCK_N], dtype=tl.float32)
-            if HAS_WEIGHT:
-                tl.store(dw_out + cols, zero, mask=col_mask)
-            if HAS_BIAS:
-                tl.store(db_out + cols, zero, mask=col_mask)
-        for block in range(pid, num_blocks, num_programs):
-            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows < M
-            rows64 = rows.to(tl.int64)
-            c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
-                                                stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
-                c1 += tl.sum(xhat * wdy, axis=1)
-                c2 += tl.sum(wdy, axis=1)
-            c1 = c1 / N
-            c2 = c2 / N
-            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
-                                                stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
-                _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, stride_dx, stride_dz, IS_RMS, HAS_DZ)
-                if HAS_WEIGHT:
-                    dw = tl.load(dw_out + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_out + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
-                if HAS_BIAS:
-                    db = tl.load(db_out + cols, mask=col_mask, other=0.0)
-                    tl.store(db_out + cols, db + tl.sum(dy, axis=0), mask=col_mask)
+        c2 = tl.sum(tl.load(sums_at + M.to(tl.int64) * NUM_SUM_TILES, mask=sums_mask, other=0.0), axis=1) / N
+    _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
 
 
 @triton.jit
@@ -145,37 +171,49 @@ def column_sum_kernel(PARTIAL, OUT_W, OUT_B, P, N, K, BLOCK_P: tl.constexpr, BLO
     tl.store(out, tl.sum(acc, axis=0).to(OUT_W.dtype.element_ty), mask=col_mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return config.INTERPRETER_SM_COUNT
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
     """Launch the backward on 2-D tensors. Returns dx (src's dtype) and dweight, dbias in the
-    weight's dtype (fp32 without a weight), reduced in fp32."""
+    weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias."""
     M, N = src.shape
-    dx = torch.empty((M, N), dtype=src.dtype, device=src.device)
+    device = src.device
+    dx = torch.empty((M, N), dtype=src.dtype, device=device)
     num_grads = int(weight is not None) + int(has_bias)
     cfg = config.bwd_config(N, num_grads)
-    programs = config.bwd_programs(cfg, triton.cdiv(M, cfg.block_m), _sm_count(src.device))
-    partial = torch.empty((programs, num_grads * N), dtype=torch.float32, device=src.device)
-    norm_bwd_kernel[(programs,)](
-        src, dy, dz, weight, mean, rstd, dx, partial,
-        src.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0), M, N,
-        IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DZ=dz is not None,
-        ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-    )
+    sms = config.sm_count(device)
+    partial_rows = config.partial_rows(cfg, M, N, sms)
+    partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
+    flags = dict(IS_RMS=rms, HAS_WEIGHT=weight is not None, ZERO_CENTERED=zero_centered)
+    dz_stride = dz.stride(0) if dz is not None else 0
+    if isinstance(cfg, config.SplitBwdConfig):
+        sums_cfg, dx_cfg = cfg.row_sums, cfg.dx
+        sum_tiles = config.cdiv(N, sums_cfg.block_n)
+        row_sums = torch.empty((1 if rms else 2, M, sum_tiles), dtype=torch.float32, device=device)
+        if M or num_grads:
+            row_sums_kernel[(sum_tiles, partial_rows)](
+                src, dy, weight, mean, rstd, row_sums, partial, src.stride(0), dy.stride(0), M, N,
+                HAS_BIAS=has_bias, BLOCK_M=sums_cfg.block_m, BLOCK_N=sums_cfg.block_n,
+                NUM_STAGES=sums_cfg.num_stages, num_warps=sums_cfg.num_warps, **flags)
+        if M:
+            dx_tiles = config.cdiv(M, dx_cfg.block_m) * config.cdiv(N, dx_cfg.block_n)
+            dx_kernel[(dx_tiles,)](
+                src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride(0), dy.stride(0), dz_stride, M, N,
+                sum_tiles, HAS_DZ=dz is not None, BLOCK_M=dx_cfg.block_m, BLOCK_N=dx_cfg.block_n,
+                SUM_TILES=config.next_pow2(sum_tiles), num_warps=dx_cfg.num_warps, **flags)
+    elif M or num_grads:
+        norm_bwd_kernel[(partial_rows,)](
+            src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0), dz_stride, M, N,
+            HAS_BIAS=has_bias, HAS_DZ=dz is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags)
+    if not num_grads:
+        return dx, None, None
     # dgamma, dbeta: separate tensors (custom-op outputs may not alias); with no weight the
     # partial columns hold dbeta only, so OUT_W gets them.
     param_dtype = weight.dtype if weight is not None else torch.float32
-    dweight, dbias = (torch.empty(N if present else 0, dtype=param_dtype, device=src.device)
-                      for present in (weight is not None, has_bias))
-    if num_grads:
-        block_k = 256
-        column_sum_kernel[(triton.cdiv(num_grads * N, block_k),)](
-            partial, dweight if weight is not None else dbias, dbias, programs, N, num_grads * N,
-            BLOCK_P=16, BLOCK_K=block_k, num_warps=4)
+    dweight = torch.empty(N, dtype=param_dtype, device=device) if weight is not None else None
+    dbias = torch.empty(N, dtype=param_dtype, device=device) if has_bias else None
+    block_k = config.column_sum_block(num_grads * N, sms)
+    out_w = dweight if weight is not None else dbias
+    column_sum_kernel[(config.cdiv(num_grads * N, block_k),)](
+        partial, out_w, dbias if has_bias else out_w, partial_rows, N, num_grads * N,
+        BLOCK_P=16, BLOCK_K=block_k, num_warps=4)
     return dx, dweight, dbias
