@@ -76,17 +76,23 @@ def fwd_config(n: int) -> TileConfig:
     return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n, num_warps=8 if block_n <= 8192 else 16)
 
 
+# Fused backward tiles by next_pow2(N): (rows per tile, warps, persistent programs per SM, pipeline
+# stages). From the H100 sweep of GPU time (benchmarks/NOTES.md, v5): small rows take 2-4K-element
+# tiles; from 1K columns up, one or two rows, more warps as the row grows, fewer programs per SM
+# as the dgamma/dbeta accumulators fill the registers.
+FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8, 8, 2, 1), 1024: (2, 4, 4, 2),
+             2048: (1, 4, 4, 1), 4096: (1, 8, 2, 1), 8192: (1, 16, 1, 1), 16384: (1, 16, 2, 1)}
+
+
 @functools.lru_cache(maxsize=None)
 def bwd_config(n: int, num_partials: int) -> BwdConfig:
     if n > MAX_FUSED_N_BWD[num_partials]:
         return BWD_SPLIT
     block_n = next_pow2(n)
-    # From N = 1024 up one row per iteration (the dgamma/dbeta accumulators already fill the
-    # registers); below, rows up to 1K elements a tile. More persistent programs per SM for small
-    # rows keep enough loads in flight.
-    return TileConfig(block_m=max(1, 1024 // block_n), block_n=block_n,
-                      num_warps=4 if block_n <= 1024 else 8 if block_n <= 8192 else 16,
-                      programs_per_sm=4 if block_n <= 4096 else 2, num_stages=2 if block_n <= 1024 else 1)
+    if block_n < 64:  # rows of a few elements: the 64-column tile size
+        return TileConfig(block_m=4096 // block_n, block_n=block_n, num_warps=8, programs_per_sm=2)
+    block_m, warps, per_sm, stages = FUSED_BWD[block_n]
+    return TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, programs_per_sm=per_sm, num_stages=stages)
 
 
 def persistent_programs(cfg: TileConfig, num_tiles: int, sm_count: int) -> int:
