@@ -72,7 +72,8 @@ def fwd_config(n: int) -> TileConfig:
     if n > MAX_FUSED_N_FWD:
         return FWD_CHUNKED
     block_n = next_pow2(n)
-    # Small rows: several per program so each tile holds 8K elements (QK-norm rows of 64-256 too).
+    if block_n <= 2048:  # small rows, QK-norm's 64-256 too: 2K-element tiles, 4 warps (H100 sweep)
+        return TileConfig(block_m=2048 // block_n, block_n=block_n, num_warps=4)
     return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n, num_warps=8 if block_n <= 8192 else 16)
 
 
