@@ -35,8 +35,8 @@ def fwd_candidates(n: int):
                 yield T(1, bn, warps, single_pass=False, programs_per_sm=per_sm, num_stages=stages)
         return
     bn = config.next_pow2(n)
-    for elems, warps, per_sm in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (0, 4, 8)):
-        if elems >= bn and 8 <= elems // (32 * warps) <= 32:
+    for elems, warps, per_sm in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32), (0, 4, 8)):
+        if elems >= bn and 8 <= elems // (32 * warps) <= 32 and (elems == bn or elems <= 16384):
             for stages in ((1, 2) if per_sm else (1,)):
                 yield T(elems // bn, bn, warps, programs_per_sm=per_sm, num_stages=stages)
 
@@ -78,10 +78,13 @@ def bwd_candidates(n: int, partials: int):
 CASES = {f"{d}-{n}": (d, n) for d in ("fwd", "bwd") for n in (64, 128, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)}
 
 
+WEIGHT_DTYPE = torch.bfloat16  # --weights
+
+
 def inputs(n: int, rms: bool, m: int):
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    b = None if rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=WEIGHT_DTYPE)
+    b = None if rms else torch.randn(n, device="cuda", dtype=WEIGHT_DTYPE)
     dy = torch.randn_like(x)
     _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-6, rms, False)
     return x, w, b, dy, mean, rstd
@@ -115,7 +118,8 @@ def jobs(cases, norms=("rms", "layer")):
 
 def compile_one(job):
     """Worker: run the candidate once on a few rows, which compiles it into the shared disk cache."""
-    direction, n, rms, cfg = job
+    global WEIGHT_DTYPE
+    direction, n, rms, cfg, WEIGHT_DTYPE = job
     undo = using(direction, cfg)
     try:
         call(direction, rms, inputs(n, rms, 64))()
@@ -136,12 +140,15 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--norms", default="rms,layer")
+    parser.add_argument("--weights", default="bfloat16", help="weight/bias dtype")
     parser.add_argument("--jobs", type=int, default=12)
     args = parser.parse_args()
+    global WEIGHT_DTYPE
+    WEIGHT_DTYPE = getattr(torch, args.weights)
     all_jobs = list(jobs(args.cases.split(","), args.norms.split(",")))
     start = time.time()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-        pool.map(compile_one, all_jobs, chunksize=1)
+        pool.map(compile_one, [job + (WEIGHT_DTYPE,) for job in all_jobs], chunksize=1)
     print(f"compiled {len(all_jobs)} candidates in {time.time() - start:.0f} s", flush=True)
     src = torch.randn(512 * 2**20, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)

@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from . import config
-from .config import sm_count
 
 
 @triton.jit
@@ -55,59 +54,57 @@ def norm_fwd_kernel(X, RES, W, B, Y, Z, MEAN, RSTD,
                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
                     NUM_STAGES: tl.constexpr):
-    # Grid-stride over row blocks: one block per program unless the config makes the grid persistent.
-    for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        rows64 = rows.to(tl.int64)
-        if SINGLE_PASS:
-            cols = tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, N, HAS_RESIDUAL, True)
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            var = tl.sum(x * x, axis=1) / N
+        else:
+            mean = tl.sum(x, axis=1) / N
+            centered = tl.where(mask, x - mean[:, None], 0.0)
+            var = tl.sum(centered * centered, axis=1) / N
+        rstd = 1.0 / tl.sqrt(var + eps)
+        _store_normalized(x, mean, rstd, W, B, Y, rows64, cols, mask, col_mask, N,
+                          IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+    else:
+        # Pass 1: statistics chunk by chunk (Chan's parallel merge of per-chunk mean/M2, stable for
+        # large N and large means); z is written here. Pass 2: re-read (from L2) and normalize.
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+            cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, N, HAS_RESIDUAL, True)
             if IS_RMS:
-                mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-                var = tl.sum(x * x, axis=1) / N
+                m2 += tl.sum(x * x, axis=1)
             else:
-                mean = tl.sum(x, axis=1) / N
-                centered = tl.where(mask, x - mean[:, None], 0.0)
-                var = tl.sum(centered * centered, axis=1) / N
-            rstd = 1.0 / tl.sqrt(var + eps)
+                count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                chunk_mean = tl.sum(x, axis=1) / count
+                centered = tl.where(mask, x - chunk_mean[:, None], 0.0)
+                chunk_m2 = tl.sum(centered * centered, axis=1)
+                seen = start * 1.0  # loop index as fp32
+                total = seen + count
+                delta = chunk_mean - mean
+                mean += delta * (count / total)
+                m2 += chunk_m2 + delta * delta * (seen * count / total)
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, N, HAS_RESIDUAL, False)
             _store_normalized(x, mean, rstd, W, B, Y, rows64, cols, mask, col_mask, N,
                               IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
-        else:
-            # Pass 1: statistics chunk by chunk (Chan's parallel merge of per-chunk mean/M2, stable for
-            # large N and large means); z is written here. Pass 2: re-read (from L2) and normalize.
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, N, HAS_RESIDUAL, True)
-                if IS_RMS:
-                    m2 += tl.sum(x * x, axis=1)
-                else:
-                    count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-                    chunk_mean = tl.sum(x, axis=1) / count
-                    centered = tl.where(mask, x - chunk_mean[:, None], 0.0)
-                    chunk_m2 = tl.sum(centered * centered, axis=1)
-                    seen = start * 1.0  # loop index as fp32
-                    total = seen + count
-                    delta = chunk_mean - mean
-                    mean += delta * (count / total)
-                    m2 += chunk_m2 + delta * delta * (seen * count / total)
-            rstd = 1.0 / tl.sqrt(m2 / N + eps)
-            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, N, HAS_RESIDUAL, False)
-                _store_normalized(x, mean, rstd, W, B, Y, rows64, cols, mask, col_mask, N,
-                                  IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
-        if not IS_RMS:
-            tl.store(MEAN + rows64, mean, mask=row_mask)
-        tl.store(RSTD + rows64, rstd, mask=row_mask)
+    if not IS_RMS:
+        tl.store(MEAN + rows64, mean, mask=row_mask)
+    tl.store(RSTD + rows64, rstd, mask=row_mask)
 
 
 def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
@@ -122,7 +119,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     if M == 0:
         return y, z, mean, rstd
     cfg = config.fwd_config(N)
-    norm_fwd_kernel[(config.persistent_programs(cfg, config.cdiv(M, cfg.block_m), sm_count(device)),)](
+    norm_fwd_kernel[(config.cdiv(M, cfg.block_m),)](
         x, residual, weight, bias, y, z, mean, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, M, N, eps,
         IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
