@@ -29,16 +29,19 @@ def rows_for(n: int) -> int:
 
 
 def fwd_candidates(n: int):
+    """The forward runs one program per row block (programs_per_sm unused)."""
+    yield config.fwd_config(n)
+    chunked = ((2048, 4096, 8192), (8, 16), (1, 2, 3))
     if n > config.MAX_FUSED_N_FWD:
-        for bn, warps, per_sm, stages in itertools.product((2048, 4096, 8192), (8, 16), (0, 1, 2), (1, 2, 3)):
-            if per_sm or stages == 1:
-                yield T(1, bn, warps, single_pass=False, programs_per_sm=per_sm, num_stages=stages)
+        for bn, warps, stages in itertools.product(*chunked):
+            yield T(1, bn, warps, single_pass=False, num_stages=stages)
         return
+    if n >= 16384:  # the chunked path as an alternative for the longest one-pass rows
+        yield config.FWD_CHUNKED
     bn = config.next_pow2(n)
-    for elems, warps, per_sm in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32), (0, 4, 8)):
+    for elems, warps in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32)):
         if elems >= bn and 8 <= elems // (32 * warps) <= 32 and (elems == bn or elems <= 16384):
-            for stages in ((1, 2) if per_sm else (1,)):
-                yield T(elems // bn, bn, warps, programs_per_sm=per_sm, num_stages=stages)
+            yield T(elems // bn, bn, warps)
 
 
 # (rows, columns, warps) of a tile: 8-32 elements per thread.
