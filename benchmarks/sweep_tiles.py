@@ -30,7 +30,7 @@ def rows_for(n: int) -> int:
 
 def fwd_candidates(n: int):
     """The forward runs one program per row block (programs_per_sm unused)."""
-    yield config.fwd_config(n)
+    yield config.fwd_config(n, 2 * WEIGHT_DTYPE.itemsize)
     chunked = ((2048, 4096, 8192), (8, 16), (1, 2, 3))
     if n > config.MAX_FUSED_N_FWD:
         for bn, warps, stages in itertools.product(*chunked):
@@ -104,7 +104,7 @@ def using(direction, cfg):
     """Point the launchers at cfg; returns the undo."""
     original = config.fwd_config if direction == "fwd" else config.bwd_config
     if direction == "fwd":
-        config.fwd_config = lambda n_: cfg
+        config.fwd_config = lambda n_, p_: cfg
     else:
         config.bwd_config = lambda n_, g: cfg
     return lambda: setattr(config, "fwd_config" if direction == "fwd" else "bwd_config", original)
@@ -164,7 +164,8 @@ def main():
         t = inputs(n, rms, m)
         expected = call(direction, rms, t)()
         nbytes = (2 if direction == "fwd" else 3) * m * n * 2
-        default = config.fwd_config(n) if direction == "fwd" else config.bwd_config(n, 1 if rms else 2)
+        params = 1 if rms else 2
+        default = config.fwd_config(n, params * WEIGHT_DTYPE.itemsize) if direction == "fwd" else config.bwd_config(n, params)
         rows = []
         for _, _, _, cfg in group:
             undo = using(direction, cfg)

@@ -118,7 +118,8 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     rstd = torch.empty(M, dtype=torch.float32, device=device)
     if M == 0:
         return y, z, mean, rstd
-    cfg = config.fwd_config(N)
+    param_bytes = sum(p.element_size() for p in (weight, bias) if p is not None)
+    cfg = config.fwd_config(N, param_bytes)
     norm_fwd_kernel[(config.cdiv(M, cfg.block_m),)](
         x, residual, weight, bias, y, z, mean, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, M, N, eps,
