@@ -98,14 +98,6 @@ def bwd_config(n: int, num_partials: int) -> BwdConfig:
     return TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, programs_per_sm=per_sm, num_stages=stages)
 
 
-def persistent_programs(cfg: TileConfig, num_tiles: int, sm_count: int) -> int:
-    """Programs of a grid-stride launch over num_tiles: at least one (a backward writes a zero
-    partial row when M == 0), at most one per tile; one per tile where the config is not persistent."""
-    if cfg.programs_per_sm == 0:
-        return max(1, num_tiles)
-    return max(1, min(sm_count * cfg.programs_per_sm, num_tiles))
-
-
 def row_groups(cfg: SplitBwdConfig, m: int, n: int, sm_count: int) -> int:
     """Row groups of the split backward's row-sums pass: enough column tiles x groups to fill
     `programs_per_sm` programs on every SM; each group is one partial row."""
@@ -115,10 +107,12 @@ def row_groups(cfg: SplitBwdConfig, m: int, n: int, sm_count: int) -> int:
 
 
 def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
-    """Rows of the backward's fp32 [P, G*N] dgamma/dbeta partial buffer for M x N."""
+    """Rows of the backward's fp32 [P, G*N] dgamma/dbeta partial buffer for M x N: one per row group
+    of the split backward, one per persistent program of the fused one (at least one: a zero partial
+    row when M == 0; at most one per row block)."""
     if isinstance(cfg, SplitBwdConfig):
         return row_groups(cfg, m, n, sm_count)
-    return persistent_programs(cfg, cdiv(m, cfg.block_m), sm_count)
+    return max(1, min(sm_count * cfg.programs_per_sm, cdiv(m, cfg.block_m)))
 
 
 @functools.lru_cache(maxsize=None)

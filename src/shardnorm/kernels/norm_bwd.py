@@ -19,9 +19,14 @@ from . import config
 
 
 @triton.jit
-def _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask, stride_src, stride_dy,
+def _row_tile(SRC, DY, W, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
               IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """Load one tile; return (xhat, dy, w * dy, rstd), all fp32, zero outside the mask."""
+    """Load the tile of row block `block` and columns `cols`; return its rows (int64), row mask and
+    tile mask, and (xhat, dy, w * dy, rstd), all fp32, zero outside the mask."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(SRC + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
@@ -37,7 +42,7 @@ def _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask, st
         wdy = dy * w[None, :]
     else:
         wdy = dy
-    return xhat, dy, wdy, rstd
+    return rows64, row_mask, mask, xhat, dy, wdy, rstd
 
 
 @triton.jit
@@ -66,12 +71,9 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
-        xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
-                                        stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+        rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
+            SRC, DY, W, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+            IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
         c1 = tl.sum(xhat * wdy, axis=1) / N
         c2 = tl.sum(wdy, axis=1) / N
         _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
@@ -110,12 +112,9 @@ def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, strid
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for block in tl.range(group, tl.cdiv(M, BLOCK_M), tl.num_programs(1), num_stages=NUM_STAGES):
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
-        xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
-                                        stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+        rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
+            SRC, DY, W, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+            IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
         sums_at = ROW_SUMS + rows64 * num_tiles + tile
         tl.store(sums_at, tl.sum(xhat * wdy, axis=1), mask=row_mask)
         if not IS_RMS:
@@ -136,14 +135,11 @@ def dx_kernel(SRC, DY, DZ, W, MEAN, RSTD, ROW_SUMS, DX, stride_src, stride_dy, s
     ROW_SUMS in a fixed order (SUM_TILES = next_pow2(NUM_SUM_TILES))."""
     col_tiles = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
-    rows = (pid // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
     col_mask = cols < N
-    rows64 = rows.to(tl.int64)
-    mask = row_mask[:, None] & col_mask[None, :]
-    xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, MEAN, RSTD, rows64, cols, mask, col_mask, row_mask,
-                                    stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+    rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
+        SRC, DY, W, MEAN, RSTD, pid // col_tiles, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+        IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
     tiles = tl.arange(0, SUM_TILES)
     sums_at = ROW_SUMS + rows64[:, None] * NUM_SUM_TILES + tiles[None, :]
     sums_mask = row_mask[:, None] & (tiles < NUM_SUM_TILES)[None, :]
