@@ -1,6 +1,6 @@
 """Where one call's time goes, per benchmark shape: host time vs GPU time (no device needed to read).
 
-    python benchmarks/profile_calls.py [--out calls.json]
+    python benchmarks/profile_calls.py [--out calls.json] [--shapes 32768x1024 262144x64]
 
 For shardnorm's forward and backward (and torch eager's, for scale) it prints the `do_bench` median
 the kernel benchmark reports, the GPU time of the kernels the call launched (torch.profiler), and the
@@ -105,14 +105,54 @@ def pieces(m=32768, n=1024):
         def backward(ctx, g):
             return g
 
-    yi = Identity.apply(xg)
+    class Fresh3(torch.autograd.Function):
+        """Our backward's autograd shape: three leaves, three freshly allocated grads."""
+
+        @staticmethod
+        def forward(ctx, a, wa, ba):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.empty_like(g), torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+
+    wg, bg = w.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    yi, y3 = Identity.apply(xg), Fresh3.apply(xg, wg, bg)
 
     def clear():
-        xg.grad = None
+        xg.grad = wg.grad = bg.grad = None
 
     out["autograd_python_function_bwd"] = host_us(lambda: yi.backward(dy, retain_graph=True), clear)
+    out["autograd_3_leaves_bwd"] = host_us(lambda: y3.backward(dy, retain_graph=True), clear)
+    out.update(backward_body(xg, wg, bg, dy, clear))
     out.update(triton_launch_pieces(x, w, b, y, mean, rstd))
     return out
+
+
+def backward_body(x, w, b, dy, clear, calls=200):
+    """Host time of shardnorm's whole backward call and of its Python backward alone (which runs on
+    the autograd engine's device thread): the difference is the engine's."""
+    from shardnorm import ops
+
+    inner = ops._EagerNorm.backward
+    spent = []
+
+    def timed(ctx, *grads):
+        start = time.perf_counter()
+        result = inner(ctx, *grads)
+        spent.append(time.perf_counter() - start)
+        return result
+
+    y = shardnorm.layer_norm(x, x.shape[1], w, b)
+    total = host_us(lambda: y.backward(dy, retain_graph=True), clear)
+    ops._EagerNorm.backward = staticmethod(timed)
+    try:
+        for _ in range(calls):
+            clear()
+            y.backward(dy, retain_graph=True)
+    finally:
+        ops._EagerNorm.backward = staticmethod(inner)
+    return dict(shardnorm_bwd_fp32_params=total, shardnorm_bwd_python_body=statistics.median(spent) * 1e6)
 
 
 def triton_launch_pieces(x, w, b, y, mean, rstd):
@@ -120,6 +160,7 @@ def triton_launch_pieces(x, w, b, y, mean, rstd):
     from triton.runtime.driver import driver
 
     from shardnorm.kernels import config
+    from shardnorm.kernels.launch import launch
     from shardnorm.kernels.norm_fwd import norm_fwd_kernel
 
     m, n = x.shape
@@ -136,6 +177,7 @@ def triton_launch_pieces(x, w, b, y, mean, rstd):
     bound = list(binder(*args, **kw)[0].values())
     return dict(
         triton_launch=host_us(lambda: norm_fwd_kernel[grid](*args, **kw)),
+        cached_launch=host_us(lambda: launch(norm_fwd_kernel, grid, args, **kw)),
         triton_binder=host_us(lambda: binder(*args, **kw)),
         triton_device_stream=host_us(lambda: driver.active.get_current_stream(driver.active.get_current_device())),
         compiled_run=host_us(lambda: compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
@@ -146,11 +188,13 @@ def triton_launch_pieces(x, w, b, y, mean, rstd):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
+    parser.add_argument("--shapes", nargs="*", help="MxN shapes (default: the kernel benchmark's)")
     args = parser.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes is not None else SHAPES
     result = dict(pieces_us=pieces(), shapes=[])
     print("host us of call layers (LayerNorm 32768 x 1024):",
           ", ".join(f"{k} {v:.1f}" for k, v in result["pieces_us"].items()), flush=True)
-    for m, n in SHAPES:
+    for m, n in shapes:
         for rms in (False, True):
             for provider in ("shardnorm", "torch"):
                 row = dict(M=m, N=n, norm="rms" if rms else "layer", provider=provider, **measure(m, n, rms, provider))

@@ -28,9 +28,9 @@ def rows_for(n: int) -> int:
     return 262144 if n <= 256 else 32768
 
 
-def fwd_candidates(n: int):
+def fwd_candidates(n: int, rms: bool):
     """The forward runs one program per row block (programs_per_sm unused)."""
-    yield config.fwd_config(n, 2 * WEIGHT_DTYPE.itemsize)
+    yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms)
     chunked = ((2048, 4096, 8192), (8, 16), (1, 2, 3))
     if n > config.MAX_FUSED_N_FWD:
         for bn, warps, stages in itertools.product(*chunked):
@@ -78,7 +78,8 @@ def bwd_candidates(n: int, partials: int):
             yield T(elems // bn, bn, warps, programs_per_sm=per_sm, num_stages=stages)
 
 
-CASES = {f"{d}-{n}": (d, n) for d in ("fwd", "bwd") for n in (64, 128, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)}
+CASES = {f"{d}-{n}": (d, n) for d in ("fwd", "bwd")
+         for n in (64, 128, 256, 1024, 2048, 4096, 5120, 8192, 14336, 16384, 32768, 65536)}
 
 
 WEIGHT_DTYPE = torch.bfloat16  # --weights
@@ -104,7 +105,7 @@ def using(direction, cfg):
     """Point the launchers at cfg; returns the undo."""
     original = config.fwd_config if direction == "fwd" else config.bwd_config
     if direction == "fwd":
-        config.fwd_config = lambda n_, p_: cfg
+        config.fwd_config = lambda *_: cfg
     else:
         config.bwd_config = lambda n_, g: cfg
     return lambda: setattr(config, "fwd_config" if direction == "fwd" else "bwd_config", original)
@@ -114,7 +115,7 @@ def jobs(cases, norms=("rms", "layer")):
     for name in cases:
         direction, n = CASES[name]
         for rms in [norm == "rms" for norm in norms]:
-            gen = fwd_candidates(n) if direction == "fwd" else bwd_candidates(n, 1 if rms else 2)
+            gen = fwd_candidates(n, rms) if direction == "fwd" else bwd_candidates(n, 1 if rms else 2)
             for cfg in dict.fromkeys(gen):
                 yield direction, n, rms, cfg
 
@@ -165,7 +166,7 @@ def main():
         expected = call(direction, rms, t)()
         nbytes = (2 if direction == "fwd" else 3) * m * n * 2
         params = 1 if rms else 2
-        default = config.fwd_config(n, params * WEIGHT_DTYPE.itemsize) if direction == "fwd" else config.bwd_config(n, params)
+        default = config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms) if direction == "fwd" else config.bwd_config(n, params)
         rows = []
         for _, _, _, cfg in group:
             undo = using(direction, cfg)

@@ -123,6 +123,29 @@ def test_strided_rows(backend, device):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n", [1024, config.MAX_FUSED_N_FWD + 7232], ids=["one_pass", "split"])
+def test_misaligned_after_aligned(backend, device, rms, n):
+    """The same shapes, first 16-byte aligned, then offset by one element: on a GPU the second call
+    must not reuse the kernel Triton compiled for aligned pointers (kernels/launch.py's cache)."""
+    seed = _seeded()
+    for offset in (0, 1, 0):
+        base = torch.randn(3 * n + 1, device=device, dtype=torch.bfloat16)
+        x = base[offset:offset + 3 * n].view(3, n).requires_grad_()
+        w = torch.randn(n, device=device, requires_grad=True)
+        y = shardnorm.rms_norm(x, n, w, 1e-5) if rms else shardnorm.layer_norm(x, n, w)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        xr, wr = x.detach().cpu().double().requires_grad_(), w.detach().cpu().double().requires_grad_()
+        yr = reference_norm(xr, wr, None, None, 1e-5, rms)
+        yr.backward(dy.cpu().double())
+        ctx = f"seed={seed} offset={offset}"
+        assert rel_err(y, yr) < TOL[torch.bfloat16], ctx
+        assert rel_err(x.grad, xr.grad) < TOL[torch.bfloat16], ctx
+        magnitude = (dy.cpu().double() * reference_norm(xr.detach(), None, None, None, 1e-5, rms)).abs().sum(0)
+        assert rel_err(w.grad, wr.grad, scale=magnitude) < 1e-5, ctx  # as in run_case
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("n,rows", [(1000, 301), (config.MAX_FUSED_N_FWD + 7232, 41)], ids=["one_pass", "split"])
 def test_backward_is_bitwise_deterministic(backend, device, rms, n, rows):
     """Many persistent programs, each with its own partial row: repeated runs agree bit for bit."""

@@ -68,10 +68,11 @@ BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warp
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_config(n: int, param_bytes: int = 4) -> TileConfig:
-    """param_bytes: weight + bias bytes per column. fp32 weight and bias (8) held in registers beside
-    a row above 8192 columns spill (H100: LayerNorm 16384 60% of copy one pass vs 71% chunked)."""
-    if n > MAX_FUSED_N_FWD or (n > 8192 and param_bytes >= 8):
+def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfig:
+    """param_size: bytes per weight (bias) element. fp32 parameters beside a one-pass row above 8192
+    columns run slower than the chunked forward's two reads (H100 GPU-time sweeps: LayerNorm 16384
+    59% vs 71% of copy, RMSNorm 14336 74% vs 87%), except RMSNorm from 32768 up (89% vs 67%)."""
+    if n > MAX_FUSED_N_FWD or (n > 8192 and param_size >= 4 and (has_bias or n <= 16384)):
         return FWD_CHUNKED
     block_n = next_pow2(n)
     if block_n <= 2048:  # small rows, QK-norm's 64-256 too: 2K-element tiles, 4 warps (H100 sweep)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import config
+from .launch import launch
 
 
 @triton.jit
@@ -185,21 +186,22 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
         sum_tiles = config.cdiv(N, sums_cfg.block_n)
         row_sums = torch.empty((1 if rms else 2, M, sum_tiles), dtype=torch.float32, device=device)
         if M or num_grads:
-            row_sums_kernel[(sum_tiles, partial_rows)](
-                src, dy, weight, mean, rstd, row_sums, partial, src.stride(0), dy.stride(0), M, N,
-                HAS_BIAS=has_bias, BLOCK_M=sums_cfg.block_m, BLOCK_N=sums_cfg.block_n,
-                NUM_STAGES=sums_cfg.num_stages, num_warps=sums_cfg.num_warps, **flags)
+            launch(row_sums_kernel, (sum_tiles, partial_rows),
+                   (src, dy, weight, mean, rstd, row_sums, partial, src.stride(0), dy.stride(0), M, N),
+                   num_warps=sums_cfg.num_warps, HAS_BIAS=has_bias, BLOCK_M=sums_cfg.block_m,
+                   BLOCK_N=sums_cfg.block_n, NUM_STAGES=sums_cfg.num_stages, **flags)
         if M:
             dx_tiles = config.cdiv(M, dx_cfg.block_m) * config.cdiv(N, dx_cfg.block_n)
-            dx_kernel[(dx_tiles,)](
-                src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride(0), dy.stride(0), dz_stride, M, N,
-                sum_tiles, HAS_DZ=dz is not None, BLOCK_M=dx_cfg.block_m, BLOCK_N=dx_cfg.block_n,
-                SUM_TILES=config.next_pow2(sum_tiles), num_warps=dx_cfg.num_warps, **flags)
+            launch(dx_kernel, (dx_tiles,),
+                   (src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride(0), dy.stride(0), dz_stride, M, N,
+                    sum_tiles),
+                   num_warps=dx_cfg.num_warps, HAS_DZ=dz is not None, BLOCK_M=dx_cfg.block_m,
+                   BLOCK_N=dx_cfg.block_n, SUM_TILES=config.next_pow2(sum_tiles), **flags)
     elif M or num_grads:
-        norm_bwd_kernel[(partial_rows,)](
-            src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0), dz_stride, M, N,
-            HAS_BIAS=has_bias, HAS_DZ=dz is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags)
+        launch(norm_bwd_kernel, (partial_rows,),
+               (src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0), dz_stride, M, N),
+               num_warps=cfg.num_warps, HAS_BIAS=has_bias, HAS_DZ=dz is not None, BLOCK_M=cfg.block_m,
+               BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **flags)
     if not num_grads:
         return dx, None, None
     # dgamma, dbeta: separate tensors (custom-op outputs may not alias); with no weight the
@@ -209,7 +211,7 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     dbias = torch.empty(N, dtype=param_dtype, device=device) if has_bias else None
     block_k = config.column_sum_block(num_grads * N, sms)
     out_w = dweight if weight is not None else dbias
-    column_sum_kernel[(config.cdiv(num_grads * N, block_k),)](
-        partial, out_w, dbias if has_bias else out_w, partial_rows, N, num_grads * N,
-        BLOCK_P=16, BLOCK_K=block_k, num_warps=4)
+    launch(column_sum_kernel, (config.cdiv(num_grads * N, block_k),),
+           (partial, out_w, dbias if has_bias else out_w, partial_rows, N, num_grads * N),
+           num_warps=4, BLOCK_P=16, BLOCK_K=block_k)
     return dx, dweight, dbias

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from . import config
+from .launch import launch
 
 
 @triton.jit
@@ -118,14 +119,12 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     rstd = torch.empty(M, dtype=torch.float32, device=device)
     if M == 0:
         return y, z, mean, rstd
-    param_bytes = sum(p.element_size() for p in (weight, bias) if p is not None)
-    cfg = config.fwd_config(N, param_bytes)
-    norm_fwd_kernel[(config.cdiv(M, cfg.block_m),)](
-        x, residual, weight, bias, y, z, mean, rstd,
-        x.stride(0), residual.stride(0) if residual is not None else 0, M, N, eps,
-        IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-    )
+    param = weight if weight is not None else bias
+    cfg = config.fwd_config(N, param.element_size() if param is not None else 2, bias is not None)
+    launch(norm_fwd_kernel, (config.cdiv(M, cfg.block_m),),
+           (x, residual, weight, bias, y, z, mean, rstd,
+            x.stride(0), residual.stride(0) if residual is not None else 0, M, N, eps),
+           num_warps=cfg.num_warps, IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+           HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages)
     return y, z, mean, rstd

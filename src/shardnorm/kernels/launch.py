@@ -1,0 +1,60 @@
+"""Kernel launches that look the compiled kernel up in a cache of our own.
+
+`kernel[grid](...)` binds and specializes every argument, reads Triton's knobs and builds a string
+cache key before it launches: ~38 us of host time per launch on the H100 machine's CPU, of which
+the launch itself is ~12 us (benchmarks/NOTES.md, v5). At small sizes a norm's whole kernel takes
+that long, so `launch` keys the compiled kernel on what Triton specializes an argument on (a
+tensor's dtype and 16-byte alignment; an int's width, whether it is 1, whether 16 divides it) plus
+the constexprs and the device, and launches it as JITFunction.run does after its own lookup. A key
+Triton has not seen goes through `kernel[grid]` (which compiles or finds the kernel) and is
+remembered. The key is at least as fine as Triton's, so a cached kernel is never reused where Triton
+would have specialized differently. The interpreter (TRITON_INTERPRET=1) always takes the plain path.
+"""
+
+from torch import Tensor
+from triton import knobs
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+_compiled = {}  # key -> (CompiledKernel, constexpr names in signature order)
+
+
+def _spec(arg):
+    """What Triton's specialization can depend on, for one runtime argument."""
+    if isinstance(arg, Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int):  # bool too: Triton types it i1, the value makes the key finer still
+        return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg < 2**63
+    return type(arg)  # None (a constexpr to Triton) or a float (always fp32)
+
+
+def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> None:
+    """`kernel[grid](*args, num_warps=num_warps, **constexprs)`, minus most of its host time.
+    args: the runtime arguments, in signature order; constexprs: all the constexpr parameters."""
+    if not isinstance(kernel, JITFunction):  # the interpreter's InterpretedFunction
+        kernel[grid](*args, num_warps=num_warps, **constexprs)
+        return
+    device = driver.active.get_current_device()
+    key = (kernel, device, num_warps, *constexprs.items(), *map(_spec, args))
+    hit = _compiled.get(key)
+    if hit is None:
+        names = kernel.arg_names[len(args):]
+        if set(names) != constexprs.keys():
+            raise TypeError(f"{kernel.__name__} takes constexprs {names}, got {list(constexprs)}")
+        _compiled[key] = kernel[grid](*args, num_warps=num_warps, **constexprs), names
+        return
+    compiled, names = hit
+    args = (*args, *[constexprs[name] for name in names])
+    stream = driver.active.get_current_stream(device)
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if _installed(enter) or _installed(leave):  # e.g. a profiler's: what JITFunction.run passes them
+        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid3, stream, *args), enter, leave, *args)
+    else:  # building launch metadata nobody reads costs as much as the launch
+        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+
+def _installed(hook) -> bool:
+    """A launch hook is set: a callable, or (newer Triton) a HookChain with calls in it."""
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -1,0 +1,39 @@
+"""The launch cache's key (kernels/launch.py): every property Triton specializes an argument on
+must change the key, or a kernel compiled for one argument would be reused for another."""
+
+import torch
+
+from shardnorm.kernels.launch import _spec
+
+
+def test_tensor_key_has_dtype_and_alignment():
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    assert _spec(base) != _spec(base[1:])  # 2-byte offset: not 16-byte aligned
+    assert _spec(base) == _spec(base[8:])  # 16-byte offset: aligned again
+    assert _spec(base) != _spec(base.float())
+
+
+def test_int_key_has_one_divisibility_and_width():
+    assert _spec(1) != _spec(17)
+    assert _spec(16) == _spec(48) != _spec(40)
+    assert _spec(2**31 - 16) != _spec(2**31)  # i32 vs i64
+    assert _spec(2**63 - 16) != _spec(2**63)  # i64 vs u64
+    assert _spec(None) != _spec(0.5)
+
+
+def test_launch_hooks_are_seen():
+    from triton import knobs
+
+    from shardnorm.kernels.launch import _installed
+
+    assert not _installed(None)
+    assert _installed(lambda *a: None)
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "calls"):  # a HookChain: empty by default, installed once a hook is added
+        assert not _installed(hook)
+        probe = lambda *a: None  # noqa: E731
+        hook.add(probe)
+        try:
+            assert _installed(hook)
+        finally:
+            hook.remove(probe)
