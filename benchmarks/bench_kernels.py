@@ -55,7 +55,8 @@ def make_providers(rms: bool, n: int, max_autotune: bool) -> dict:
     try:
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    except ImportError:
+    except ImportError as e:
+        print(f"  liger: not importable ({e}); the table has no Liger column", flush=True)
         return providers
     if rms:
         providers["liger"] = lambda x, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
