@@ -2,13 +2,14 @@
 
 Every provider runs the same shapes in the same process; each one's y, dx and dgamma are checked
 against a float64 reference first, so a fast wrong kernel cannot win. Times are
-`triton.testing.do_bench` medians after warm-up (it also flushes L2 between repetitions); inputs
-that fit in L2 are additionally rotated. Bytes are the minimum traffic: forward reads x and writes
+`triton.testing.do_bench` medians after warm-up (it also flushes L2 between repetitions), the best
+of `--repeats` rounds that time every provider in turn (the GPU machine's shared CPU makes host-bound
+medians drift by 2x between runs); inputs that fit in L2 are additionally rotated. Bytes are the minimum traffic: forward reads x and writes
 y, backward reads x and dy and writes dx (weights, stats and dgamma are not counted), fwd+bwd the
 sum. Backward is timed as `y.backward(dy, retain_graph=True)`, so it includes the dgamma/dbeta
 reduction. A device-to-device copy measured in the same run is the ceiling.
 
-    python benchmarks/bench_kernels.py --out results.json [--quick] [--max-autotune]
+    python benchmarks/bench_kernels.py --out results.json [--quick] [--max-autotune] [--repeats 3]
 
 `benchmarks/report.py results.json` turns the JSON into the markdown table and the plot.
 """
@@ -88,7 +89,24 @@ def rel(a, b) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
 
-def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs):
+def time_provider(fn, xs, dys, w, b, params):
+    """do_bench medians (ms) of forward, backward (`y.backward(dy)` on a retained graph) and both."""
+    sets = len(xs)
+    it = iter(range(10**9))
+    ms_fwd = do_bench(lambda: fn(xs[next(it) % sets], w, b), return_mode="median")
+    graphs = [(fn(x, w, b), dy) for x, dy in zip(xs, dys)]
+    ms_bwd = do_bench(lambda: (lambda g: g[0].backward(g[1], retain_graph=True))(graphs[next(it) % sets]),
+                      grad_to_none=xs + params, return_mode="median")
+    graphs.clear()
+
+    def step():
+        i = next(it) % sets
+        fn(xs[i], w, b).backward(dys[i])
+
+    return ms_fwd, ms_bwd, do_bench(step, grad_to_none=xs + params, return_mode="median")
+
+
+def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats):
     dtype = torch.bfloat16
     es = torch.tensor([], dtype=dtype).element_size()
     x_bytes = m * n * es
@@ -98,10 +116,12 @@ def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs):
     b = None if rms else torch.randn(n, device="cuda", dtype=weight_dtype).requires_grad_()
     dys = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(sets)]
     ref = reference(xs[0].detach(), w.detach(), b.detach() if b is not None else None, dys[0], rms)
-    rows = []
+    params = [w] + ([b] if b is not None else [])
+    rows, timed = [], []
     for name, fn in make_providers(rms, n, max_autotune).items():
         row = dict(provider=name, norm="rms" if rms else "layer", M=m, N=n, x_dtype="bf16",
                    weight_dtype=str(weight_dtype).replace("torch.", ""), input_sets=sets)
+        rows.append(row)
         try:
             y = fn(xs[0], w, b)
             gx, gw = torch.autograd.grad(y, (xs[0], w), dys[0])
@@ -109,31 +129,28 @@ def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs):
                               dw=rel(gw, ref["dw"]))
             row["correct"] = all(e < 2e-2 for e in row["err"].values())
             del y, gx, gw
-            it = iter(range(10**9))
-            params = [w] + ([b] if b is not None else [])
-            ms_fwd = do_bench(lambda: fn(xs[next(it) % sets], w, b), return_mode="median")
-            graphs = [(fn(x, w, b), dy) for x, dy in zip(xs, dys)]
-            ms_bwd = do_bench(lambda: (lambda g: g[0].backward(g[1], retain_graph=True))(graphs[next(it) % sets]),
-                              grad_to_none=xs + params, return_mode="median")
-            graphs.clear()
-
-            def step():
-                i = next(it) % sets
-                fn(xs[i], w, b).backward(dys[i])
-
-            ms_step = do_bench(step, grad_to_none=xs + params, return_mode="median")
+            timed.append((row, fn))
         except Exception as e:  # a provider that fails a shape is reported, not fatal
             row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            rows.append(row)
-            print(f"  {name:28s} FAILED {row['failed']}", flush=True)
+    # Rounds over all providers in turn; each keeps its best median, so a stretch of host noise on
+    # the (shared) CPU hits every provider alike instead of whichever happened to run then.
+    for _ in range(repeats):
+        for row, fn in list(timed):
+            try:
+                for key, ms in zip(("fwd", "bwd", "fwd_bwd"), time_provider(fn, xs, dys, w, b, params)):
+                    row.setdefault(f"{key}_ms_rounds", []).append(ms)
+            except Exception as e:
+                row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                timed.remove((row, fn))
+    for row in rows:
+        if "failed" in row:
+            print(f"  {row['provider']:28s} FAILED {row['failed']}", flush=True)
             continue
-        for key, ms, nbytes in (("fwd", ms_fwd, 2 * x_bytes), ("bwd", ms_bwd, 3 * x_bytes),
-                                ("fwd_bwd", ms_step, 5 * x_bytes)):
-            row[f"{key}_ms"] = ms
+        for key, nbytes in (("fwd", 2 * x_bytes), ("bwd", 3 * x_bytes), ("fwd_bwd", 5 * x_bytes)):
+            row[f"{key}_ms"] = ms = min(row[f"{key}_ms_rounds"])
             row[f"{key}_gbs"] = nbytes / ms / 1e6
             row[f"{key}_of_copy"] = row[f"{key}_gbs"] / copy_gbs
-        rows.append(row)
-        print(f"  {name:28s} fwd {row['fwd_gbs']:7.0f} GB/s ({row['fwd_of_copy']:4.0%})  "
+        print(f"  {row['provider']:28s} fwd {row['fwd_gbs']:7.0f} GB/s ({row['fwd_of_copy']:4.0%})  "
               f"bwd {row['bwd_gbs']:7.0f} GB/s ({row['bwd_of_copy']:4.0%})  "
               f"err y {row['err']['y']:.1e} dx {row['err']['dx']:.1e} dw {row['err']['dw']:.1e}", flush=True)
     return rows
@@ -146,13 +163,14 @@ def main(argv=None):
     parser.add_argument("--max-autotune", action="store_true", help="add torch.compile max-autotune-no-cudagraphs")
     parser.add_argument("--norms", default="rms,layer")
     parser.add_argument("--weights", default="bfloat16,float32")
+    parser.add_argument("--repeats", type=int, default=3, help="timing rounds over all providers; best median kept")
     args = parser.parse_args(argv)
     torch._dynamo.config.cache_size_limit = 1024
     torch._functorch.config.donated_buffer = False  # compiled backward is re-run with retain_graph
     copy_gbs = copy_bandwidth()
     props = torch.cuda.get_device_properties(0)
     meta = dict(gpu=props.name, sm_count=props.multi_processor_count, date=datetime.date.today().isoformat(),
-                torch=torch.__version__, triton=triton.__version__, copy_gbs=copy_gbs,
+                torch=torch.__version__, triton=triton.__version__, copy_gbs=copy_gbs, repeats=args.repeats,
                 command=" ".join([sys.executable.split("/")[-1]] + sys.argv))
     print(f"{props.name}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     shapes = GENAI if args.quick else GENAI + LLAMA + QK_NORM
@@ -162,7 +180,8 @@ def main(argv=None):
         for wd in weights:
             for m, n in shapes:
                 print(f"{norm} M={m} N={n} weight={wd}", flush=True)
-                rows += bench_shape(m, n, norm == "rms", getattr(torch, wd), args.max_autotune, copy_gbs)
+                rows += bench_shape(m, n, norm == "rms", getattr(torch, wd), args.max_autotune, copy_gbs,
+                                    args.repeats)
                 torch.cuda.empty_cache()
                 with open(args.out, "w") as f:
                     json.dump(dict(meta=meta, rows=rows), f, indent=1)

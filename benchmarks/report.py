@@ -46,7 +46,8 @@ def markdown(meta, rows) -> str:
         groups[(r["norm"], r["weight_dtype"])][(r["M"], r["N"])][r["provider"]] = r
     out = [f"# Kernel benchmark: {meta['gpu']}, {meta['date']}", "",
            f"torch {meta['torch']}, triton {meta['triton']}; device-to-device copy in the same run: "
-           f"**{meta['copy_gbs']:.0f} GB/s**. Cells: forward / backward GB/s (bf16 x and dy). "
+           f"**{meta['copy_gbs']:.0f} GB/s**. Cells: forward / backward GB/s (bf16 x and dy), from do_bench "
+           f"medians, the best of {meta.get('repeats', 1)} round(s) over all providers. "
            f"Command: `{meta['command']}`.", ""]
     for (norm, wdtype), shapes in sorted(groups.items()):
         name = "RMSNorm" if norm == "rms" else "LayerNorm (with bias)"
