@@ -29,19 +29,20 @@ def rows_for(n: int) -> int:
 
 
 def fwd_candidates(n: int, rms: bool):
-    """The forward runs one program per row block (programs_per_sm unused)."""
+    """One-pass tiles, each with one program per row block (0) and with 2-8 persistent programs per
+    SM holding the parameters in registers; above the one-pass limit, chunked tiles."""
     yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms)
     chunked = ((2048, 4096, 8192), (8, 16), (1, 2, 3))
     if n > config.MAX_FUSED_N_FWD:
         for bn, warps, stages in itertools.product(*chunked):
             yield T(1, bn, warps, single_pass=False, num_stages=stages)
         return
-    if n >= 16384:  # the chunked path as an alternative for the longest one-pass rows
+    if n >= 16384 or (n > 4096 and WEIGHT_DTYPE.itemsize >= 4):  # the chunked path as an alternative
         yield config.FWD_CHUNKED
-    bn = config.next_pow2(n)
-    for elems, warps in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32)):
-        if elems >= bn and 8 <= elems // (32 * warps) <= 32 and (elems == bn or elems <= 16384):
-            yield T(elems // bn, bn, warps)
+    for bn, tail in dict.fromkeys([(config.next_pow2(n), 0), config.row_tiles(n)]):
+        for elems, warps, per_sm in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32), (0, 2, 4, 8)):
+            if elems >= bn and 8 <= elems // (32 * warps) <= 32 and (elems == bn or elems <= 16384):
+                yield T(elems // bn, bn, warps, programs_per_sm=per_sm, tail_n=tail)
 
 
 # (rows, columns, warps) of a tile: 8-32 elements per thread.
@@ -75,7 +76,8 @@ def bwd_candidates(n: int, partials: int):
             (bn, 2048, 4096) if small else (bn,), (4, 8) if small else (8, 16, 32) if bn < 16384 else (16, 32),
             (2, 4, 8) if small else (1, 2, 3), (1, 2) if small else (1, 2)):
         if elems >= bn and 4 <= elems // (32 * warps) <= 32:
-            yield T(elems // bn, bn, warps, programs_per_sm=per_sm, num_stages=stages)
+            yield T(elems // bn, bn, warps, programs_per_sm=per_sm, num_stages=stages,
+                    hoist_params=bn <= config.HOIST_PARAMS_MAX_N_BWD)
 
 
 CASES = {f"{d}-{n}": (d, n) for d in ("fwd", "bwd")

@@ -108,7 +108,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("n", [1000, config.MAX_FUSED_N_FWD + 7232])
+@pytest.mark.parametrize("n", [1000, 5120, config.MAX_FUSED_N_FWD + 7232], ids=["one_pass", "tail_tile", "split"])
 def test_variants(backend, device, variant, rms, n):
     kw = dict(dtype=torch.bfloat16, rows=5) | VARIANTS[variant]
     run_case(device, n, rms, kw.pop("dtype"), **kw)
@@ -132,6 +132,16 @@ def test_misaligned_after_aligned(backend, device, rms, n):
     must not reuse the kernel Triton compiled for aligned pointers (kernels/launch.py's cache)."""
     for offset in (0, 1, 0):
         run_case(device, n, rms, torch.bfloat16, rows=3, offset=offset)
+
+
+@pytest.mark.parametrize("rms,n", [(False, 7000), (False, 9000), (True, 9000)])
+def test_persistent_forward_walks_row_blocks(backend, device, rms, n):
+    """fp32 parameters take persistent forward programs that keep them in registers: with more row
+    blocks than programs, each program normalizes several."""
+    cfg = config.fwd_config(n, 4, not rms)
+    assert cfg.single_pass and cfg.programs_per_sm > 0
+    programs = config.sm_count(torch.device(device)) * cfg.programs_per_sm
+    run_case(device, n, rms, torch.bfloat16, rows=2 * programs * cfg.block_m + 3)
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])

@@ -5,8 +5,9 @@ keeps), never on the number of rows M, so a new batch or sequence length never t
 recompilation (M is a runtime argument marked `do_not_specialize`).
 
 - Forward: while a row fits in registers (N <= MAX_FUSED_N_FWD) one pass, BLOCK_M rows of
-  next_pow2(N) per program, one program per row block. Above, each row is walked twice in BLOCK_N
-  chunks (statistics, then normalize), one program per row.
+  next_pow2(N) per program (4096 and a narrower tail tile for 4096 < N <= 6144), one program per
+  row block; with fp32 parameters, persistent programs that keep them in registers. Above, each row is walked twice in BLOCK_N chunks (statistics, then
+  normalize, backwards), one program per row.
 - Backward, fused (N <= MAX_FUSED_N_BWD): persistent programs walk the rows grid-stride, each
   keeping its dgamma/dbeta partial sum in registers, then write one fp32 row of the [P, N] partial
   buffer. Its limit depends on how many partial sums (dgamma, dbeta) stay live in registers.
@@ -41,6 +42,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def row_tiles(n: int) -> tuple:
+    """(block_n, tail_n) holding a one-pass row: next_pow2(N), or a power of two and a narrower one
+    after it where that leaves fewer idle lanes (5120: 4096 + 1024, not 8192; 14336 stays 16384)."""
+    whole = next_pow2(n)
+    if n <= 2048 or n == whole:
+        return whole, 0
+    main = whole // 2
+    tail = next_pow2(n - main)
+    return (main, tail) if main + tail < whole else (whole, 0)
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
@@ -49,6 +61,8 @@ class TileConfig:
     single_pass: bool = True
     programs_per_sm: int = 0  # persistent programs per SM; 0: one program per tile
     num_stages: int = 1  # software-pipelining depth of the row-block and chunk loops
+    hoist_params: bool = False  # backward: weight in registers across row blocks (a persistent forward always)
+    tail_n: int = 0  # one-pass forward: a second, narrower tile after block_n (5120 = 4096 + 1024)
 
 
 @dataclass(frozen=True)
@@ -67,14 +81,28 @@ BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warp
                            dx=TileConfig(block_m=1, block_n=4096, num_warps=8))
 
 
+# Forward with fp32 parameters, one pass, persistent programs holding weight and bias in registers,
+# by next_pow2(N): (warps, programs per SM); for LayerNorm with bias, and for any norm at 16384.
+# Re-reading fp32 parameters for every row (from L2) was the bottleneck there: H100 A/B of GPU
+# time (NOTES.md v7), LayerNorm 8192 +11%, 14336 +20% and 16384 +21% (both were chunked); RMSNorm
+# 16384 +2% over the chunked path. RMSNorm 8192 and either norm at 4096 stay one block per program
+# (7% and 3% faster than persistent).
+PERSISTENT_FWD = {8192: (8, 8), 16384: (16, 4)}
+
+
 @functools.lru_cache(maxsize=None)
 def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfig:
-    """param_size: bytes per weight (bias) element. fp32 parameters beside a one-pass row above 8192
-    columns run slower than the chunked forward's two reads (H100 GPU-time sweeps: LayerNorm 16384
-    59% vs 71% of copy, RMSNorm 14336 74% vs 87%), except RMSNorm from 32768 up (89% vs 67%)."""
-    if n > MAX_FUSED_N_FWD or (n > 8192 and param_size >= 4 and (has_bias or n <= 16384)):
-        return FWD_CHUNKED
+    """param_size: bytes per weight (bias) element. fp32 weight and bias beside a one-pass row above
+    16384 columns spill: chunked there (H100 sweep, v5)."""
+    block_n, tail_n = row_tiles(n)
+    if tail_n and block_n == 4096:  # 4096 + tail (H100 sweep at 5120, v7; other splits not measured)
+        return TileConfig(block_m=1, block_n=block_n, num_warps=4 if param_size < 4 else 8, tail_n=tail_n)
     block_n = next_pow2(n)
+    if param_size >= 4 and block_n in PERSISTENT_FWD and (has_bias or block_n == 16384):
+        warps, per_sm = PERSISTENT_FWD[block_n]
+        return TileConfig(block_m=1, block_n=block_n, num_warps=warps, programs_per_sm=per_sm)
+    if n > MAX_FUSED_N_FWD or (n > 16384 and param_size >= 4 and has_bias):
+        return FWD_CHUNKED
     if block_n <= 2048:  # small rows, QK-norm's 64-256 too: 2K-element tiles, 4 warps (H100 sweep)
         return TileConfig(block_m=2048 // block_n, block_n=block_n, num_warps=4)
     return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n, num_warps=8 if block_n <= 8192 else 16)
@@ -84,6 +112,9 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfi
 # stages). From the H100 sweep of GPU time (benchmarks/NOTES.md, v5): small rows take 2-4K-element
 # tiles; from 1K columns up, one or two rows, more warps as the row grows, fewer programs per SM
 # as the dgamma/dbeta accumulators fill the registers.
+# The fused backward keeps the weight in registers up to this tile (H100 A/B of GPU time, NOTES.md
+# v7: fp32 weights at N = 5120 +14% (LayerNorm) / +12% (RMSNorm); at 16384 the registers spill, -34%).
+HOIST_PARAMS_MAX_N_BWD = 8192
 FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8, 8, 2, 1), 1024: (2, 4, 4, 2),
              2048: (1, 4, 4, 1), 4096: (1, 8, 2, 1), 8192: (1, 16, 1, 1), 16384: (1, 16, 2, 1)}
 
@@ -96,7 +127,8 @@ def bwd_config(n: int, num_partials: int) -> BwdConfig:
     if block_n < 64:  # rows of a few elements: the 64-column tile size
         return TileConfig(block_m=4096 // block_n, block_n=block_n, num_warps=8, programs_per_sm=2)
     block_m, warps, per_sm, stages = FUSED_BWD[block_n]
-    return TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, programs_per_sm=per_sm, num_stages=stages)
+    return TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, programs_per_sm=per_sm, num_stages=stages,
+                      hoist_params=block_n <= HOIST_PARAMS_MAX_N_BWD)
 
 
 def row_groups(cfg: SplitBwdConfig, m: int, n: int, sm_count: int) -> int:

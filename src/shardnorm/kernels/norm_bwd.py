@@ -17,13 +17,16 @@ import triton.language as tl
 
 from . import config
 from .launch import launch
+from .norm_fwd import _load_params
 
 
 @triton.jit
-def _row_tile(SRC, DY, W, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
-              IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+def _row_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
+              IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+              PARAMS_LOADED: tl.constexpr):
     """Load the tile of row block `block` and columns `cols`; return its rows (int64), row mask and
-    tile mask, and (xhat, dy, w * dy, rstd), all fp32, zero outside the mask."""
+    tile mask, and (xhat, dy, w * dy, rstd), all fp32, zero outside the mask. The weights are read
+    here, after x and dy, unless the caller holds them (PARAMS_LOADED: w)."""
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows64 = rows.to(tl.int64)
@@ -36,10 +39,9 @@ def _row_tile(SRC, DY, W, MEAN, RSTD, block, cols, col_mask, M, stride_src, stri
     else:
         mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    if not PARAMS_LOADED:
+        w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            w = w + 1.0
         wdy = dy * w[None, :]
     else:
         wdy = dy
@@ -64,25 +66,36 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
                     stride_src, stride_dy, stride_dz, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    HOIST_PARAMS: tl.constexpr):
     """One pass: whole rows (BLOCK_N >= N) in registers, dgamma/dbeta accumulated across row blocks."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    w = 1.0
+    if HOIST_PARAMS:
+        w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
         rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
-            SRC, DY, W, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-            IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+            SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+            IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
         c1 = tl.sum(xhat * wdy, axis=1) / N
         c2 = tl.sum(wdy, axis=1) / N
         _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
-        if HAS_WEIGHT:
-            dw_acc += dy * xhat
-        if HAS_BIAS:
-            db_acc += dy
+        dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
     _store_partials(dw_acc, db_acc, PARTIAL, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """dgamma += dy * xhat, dbeta += dy, per column, over the tile's rows (kept per row until the end)."""
+    if HAS_WEIGHT:
+        dw_acc += dy * xhat
+    if HAS_BIAS:
+        db_acc += dy
+    return dw_acc, db_acc
 
 
 @triton.jit
@@ -101,7 +114,7 @@ def _store_partials(dw_acc, db_acc, PARTIAL, row, cols, col_mask, N,
 def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, stride_dy, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    NUM_STAGES: tl.constexpr):
+                    NUM_STAGES: tl.constexpr, HOIST_PARAMS: tl.constexpr):
     """Split backward, pass 1. Program (t, g) takes column tile t of row groups g, g + G, ...: per row
     it writes the tile's sums of xhat*w*dy and w*dy (LayerNorm) to ROW_SUMS[0|1, row, t]; it keeps the
     tile's dgamma/dbeta sums in registers and writes them as row g of the partial buffer."""
@@ -110,20 +123,20 @@ def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, strid
     group = tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    w = 1.0
+    if HOIST_PARAMS:
+        w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for block in tl.range(group, tl.cdiv(M, BLOCK_M), tl.num_programs(1), num_stages=NUM_STAGES):
         rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
-            SRC, DY, W, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-            IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+            SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+            IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
         sums_at = ROW_SUMS + rows64 * num_tiles + tile
         tl.store(sums_at, tl.sum(xhat * wdy, axis=1), mask=row_mask)
         if not IS_RMS:
             tl.store(sums_at + M.to(tl.int64) * num_tiles, tl.sum(wdy, axis=1), mask=row_mask)
-        if HAS_WEIGHT:
-            dw_acc += dy * xhat
-        if HAS_BIAS:
-            db_acc += dy
+        dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
     _store_partials(dw_acc, db_acc, PARTIAL, group, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
 
 
@@ -139,8 +152,8 @@ def dx_kernel(SRC, DY, DZ, W, MEAN, RSTD, ROW_SUMS, DX, stride_src, stride_dy, s
     cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
-        SRC, DY, W, MEAN, RSTD, pid // col_tiles, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-        IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+        SRC, DY, W, 1.0, MEAN, RSTD, pid // col_tiles, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+        IS_RMS, HAS_WEIGHT, ZERO_CENTERED, False)
     tiles = tl.arange(0, SUM_TILES)
     sums_at = ROW_SUMS + rows64[:, None] * NUM_SUM_TILES + tiles[None, :]
     sums_mask = row_mask[:, None] & (tiles < NUM_SUM_TILES)[None, :]
@@ -189,7 +202,8 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
             launch(row_sums_kernel, (sum_tiles, partial_rows),
                    (src, dy, weight, mean, rstd, row_sums, partial, src.stride(0), dy.stride(0), M, N),
                    num_warps=sums_cfg.num_warps, HAS_BIAS=has_bias, BLOCK_M=sums_cfg.block_m,
-                   BLOCK_N=sums_cfg.block_n, NUM_STAGES=sums_cfg.num_stages, **flags)
+                   BLOCK_N=sums_cfg.block_n, NUM_STAGES=sums_cfg.num_stages,
+                   HOIST_PARAMS=sums_cfg.hoist_params, **flags)
         if M:
             dx_tiles = config.cdiv(M, dx_cfg.block_m) * config.cdiv(N, dx_cfg.block_n)
             launch(dx_kernel, (dx_tiles,),
@@ -201,7 +215,8 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
         launch(norm_bwd_kernel, (partial_rows,),
                (src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0), dz_stride, M, N),
                num_warps=cfg.num_warps, HAS_BIAS=has_bias, HAS_DZ=dz is not None, BLOCK_M=cfg.block_m,
-               BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, **flags)
+               BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+               HOIST_PARAMS=cfg.hoist_params, **flags)
     if not num_grads:
         return dx, None, None
     # dgamma, dbeta: separate tensors (custom-op outputs may not alias); with no weight the

@@ -31,21 +31,75 @@ def _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, stride_z,
 
 
 @triton.jit
-def _store_normalized(x, mean, rstd, W, B, Y, rows64, cols, mask, col_mask, stride_y,
+def _load_params(W, B, cols, col_mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ZERO_CENTERED: tl.constexpr):
+    """Weight (+ 1 when zero-centered) and bias of columns `cols` in fp32; 1 and 0 where absent."""
+    w = 1.0
+    b = 0.0
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return w, b
+
+
+@triton.jit
+def _store_normalized(x, mean, rstd, W, B, w, b, Y, rows64, cols, col_mask, mask, stride_y,
                       IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      ZERO_CENTERED: tl.constexpr):
+                      ZERO_CENTERED: tl.constexpr, PARAMS_LOADED: tl.constexpr):
+    """y of one tile. Without PARAMS_LOADED the weight and bias (w, b) are read here, after the
+    row reductions, so they are not live in registers across them."""
+    if not PARAMS_LOADED:
+        w, b = _load_params(W, B, cols, col_mask, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
     if IS_RMS:
         y = x * rstd[:, None]
     else:
         y = (x - mean[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            w = w + 1.0
         y = y * w[None, :]
     if HAS_BIAS:
-        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        y = y + b[None, :]
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normalize_rows(X, RES, W, B, Y, Z, MEAN, RSTD, block, cols, col_mask, w, b, tail_cols, tail_mask, tail_w, tail_b,
+                    stride_x, stride_res, M, N, eps,
+                    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr,
+                    TAIL_N: tl.constexpr, PARAMS_LOADED: tl.constexpr):
+    """One pass over row block `block`: statistics, then y. The row is the tile `cols` and, with
+    TAIL_N, the narrower tile `tail_cols` after it (N = 5120 as 4096 + 1024 instead of 8192)."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, N, HAS_RESIDUAL, True)
+    total = tl.sum(x * x if IS_RMS else x, axis=1)
+    if TAIL_N > 0:
+        tail_tile_mask = row_mask[:, None] & tail_mask[None, :]
+        x_tail = _load_src(X, RES, Z, rows64, tail_cols, tail_tile_mask, stride_x, stride_res, N, HAS_RESIDUAL, True)
+        total += tl.sum(x_tail * x_tail if IS_RMS else x_tail, axis=1)
+    if IS_RMS:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        var = total / N
+    else:
+        mean = total / N
+        centered = tl.where(mask, x - mean[:, None], 0.0)
+        m2 = tl.sum(centered * centered, axis=1)
+        if TAIL_N > 0:
+            centered = tl.where(tail_tile_mask, x_tail - mean[:, None], 0.0)
+            m2 += tl.sum(centered * centered, axis=1)
+        var = m2 / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    _store_normalized(x, mean, rstd, W, B, w, b, Y, rows64, cols, col_mask, mask, N,
+                      IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, PARAMS_LOADED)
+    if TAIL_N > 0:
+        _store_normalized(x_tail, mean, rstd, W, B, tail_w, tail_b, Y, rows64, tail_cols, tail_mask, tail_tile_mask,
+                          N, IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, PARAMS_LOADED)
+    _store_stats(MEAN, RSTD, rows64, row_mask, mean, rstd, IS_RMS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -53,29 +107,40 @@ def norm_fwd_kernel(X, RES, W, B, Y, Z, MEAN, RSTD,
                     stride_x, stride_res, M, N, eps,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                    NUM_STAGES: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows64 = rows.to(tl.int64)
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
+                    SINGLE_PASS: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr):
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, N, HAS_RESIDUAL, True)
-        if IS_RMS:
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            var = tl.sum(x * x, axis=1) / N
+        tail_cols = cols  # stand-ins, unused without a tail tile
+        tail_mask = col_mask
+        if TAIL_N > 0:
+            tail_cols = BLOCK_N + tl.arange(0, TAIL_N)
+            tail_mask = tail_cols < N
+        if PERSISTENT:
+            # Programs walk the row blocks grid-stride with the weight and bias in registers: read
+            # once per program, not once per row block (fp32 parameters are twice a bf16 row's
+            # own traffic). Otherwise straight-line code: the loop alone costs registers.
+            w, b = _load_params(W, B, cols, col_mask, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+            tail_w, tail_b = w, b
+            if TAIL_N > 0:
+                tail_w, tail_b = _load_params(W, B, tail_cols, tail_mask, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+            for block in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
+                _normalize_rows(X, RES, W, B, Y, Z, MEAN, RSTD, block, cols, col_mask, w, b, tail_cols, tail_mask,
+                                tail_w, tail_b, stride_x, stride_res, M, N, eps, IS_RMS, HAS_WEIGHT, HAS_BIAS,
+                                HAS_RESIDUAL, ZERO_CENTERED, BLOCK_M, TAIL_N, True)
         else:
-            mean = tl.sum(x, axis=1) / N
-            centered = tl.where(mask, x - mean[:, None], 0.0)
-            var = tl.sum(centered * centered, axis=1) / N
-        rstd = 1.0 / tl.sqrt(var + eps)
-        _store_normalized(x, mean, rstd, W, B, Y, rows64, cols, mask, col_mask, N,
-                          IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+            _normalize_rows(X, RES, W, B, Y, Z, MEAN, RSTD, tl.program_id(0), cols, col_mask, 1.0, 0.0, tail_cols,
+                            tail_mask, 1.0, 0.0, stride_x, stride_res, M, N, eps, IS_RMS, HAS_WEIGHT, HAS_BIAS,
+                            HAS_RESIDUAL, ZERO_CENTERED, BLOCK_M, TAIL_N, False)
     else:
-        # Pass 1: statistics chunk by chunk (Chan's parallel merge of per-chunk mean/M2, stable for
-        # large N and large means); z is written here. Pass 2: re-read (from L2) and normalize.
+        # One row block per program. Pass 1: statistics chunk by chunk (Chan's parallel merge of
+        # per-chunk mean/M2, stable for large N and large means); z is written here. Pass 2:
+        # normalize, walking the chunks backwards so the most recently read ones, the likeliest
+        # still in L2, are read again first.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
         mean = tl.zeros([BLOCK_M], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
@@ -96,13 +161,19 @@ def norm_fwd_kernel(X, RES, W, B, Y, Z, MEAN, RSTD,
                 mean += delta * (count / total)
                 m2 += chunk_m2 + delta * delta * (seen * count / total)
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
-        for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
-            cols = start + tl.arange(0, BLOCK_N)
+        last = (tl.cdiv(N, BLOCK_N) - 1) * BLOCK_N
+        for back in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+            cols = (last - back) + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_src(X, RES, Z, rows64, cols, mask, stride_x, stride_res, N, HAS_RESIDUAL, False)
-            _store_normalized(x, mean, rstd, W, B, Y, rows64, cols, mask, col_mask, N,
-                              IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+            _store_normalized(x, mean, rstd, W, B, 1.0, 0.0, Y, rows64, cols, col_mask, mask, N,
+                              IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, False)
+        _store_stats(MEAN, RSTD, rows64, row_mask, mean, rstd, IS_RMS)
+
+
+@triton.jit
+def _store_stats(MEAN, RSTD, rows64, row_mask, mean, rstd, IS_RMS: tl.constexpr):
     if not IS_RMS:
         tl.store(MEAN + rows64, mean, mask=row_mask)
     tl.store(RSTD + rows64, rstd, mask=row_mask)
@@ -121,10 +192,13 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
         return y, z, mean, rstd
     param = weight if weight is not None else bias
     cfg = config.fwd_config(N, param.element_size() if param is not None else 2, bias is not None)
-    launch(norm_fwd_kernel, (config.cdiv(M, cfg.block_m),),
+    blocks = config.cdiv(M, cfg.block_m)
+    programs = min(blocks, config.sm_count(device) * cfg.programs_per_sm) if cfg.programs_per_sm else blocks
+    launch(norm_fwd_kernel, (programs,),
            (x, residual, weight, bias, y, z, mean, rstd,
             x.stride(0), residual.stride(0) if residual is not None else 0, M, N, eps),
            num_warps=cfg.num_warps, IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
            HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
-           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages)
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
+           PERSISTENT=cfg.programs_per_sm > 0)
     return y, z, mean, rstd
