@@ -32,10 +32,10 @@ def fwd_candidates(n: int, rms: bool):
     """One-pass tiles, each with one program per row block (0) and with 2-8 persistent programs per
     SM holding the parameters in registers; above the one-pass limit, chunked tiles."""
     yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms)
-    chunked = ((2048, 4096, 8192), (8, 16), (1, 2, 3))
-    if n > config.MAX_FUSED_N_FWD:
-        for bn, warps, stages in itertools.product(*chunked):
-            yield T(1, bn, warps, single_pass=False, num_stages=stages)
+    if n > config.MAX_FUSED_N_FWD or (n > 16384 and WEIGHT_DTYPE.itemsize >= 4 and not rms):
+        for bm, bn, warps, stages in itertools.product((1, 2), (2048, 4096, 8192, 16384), (8, 16, 32), (1, 2)):
+            if 4 <= bm * bn // (32 * warps) <= 32:
+                yield T(bm, bn, warps, single_pass=False, num_stages=stages)
         return
     if n >= 16384 or (n > 4096 and WEIGHT_DTYPE.itemsize >= 4):  # the chunked path as an alternative
         yield config.FWD_CHUNKED

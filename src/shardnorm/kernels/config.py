@@ -75,8 +75,10 @@ class SplitBwdConfig:
 
 BwdConfig = Union[TileConfig, SplitBwdConfig]
 
-# Large-N paths, from the H100 sweep (benchmarks/NOTES.md, v5).
-FWD_CHUNKED = TileConfig(block_m=1, block_n=4096, num_warps=16, single_pass=False)
+# Large-N paths, from the H100 sweeps (benchmarks/NOTES.md, v5, v7). fp32 weight and bias are read
+# again for every chunk; two rows per tile halve that (LayerNorm fp32 32768: 61% -> 75% of copy).
+FWD_CHUNKED = TileConfig(block_m=1, block_n=16384, num_warps=32, single_pass=False)
+FWD_CHUNKED_FP32_PARAMS = TileConfig(block_m=2, block_n=8192, num_warps=16, single_pass=False, num_stages=2)
 BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warps=16, programs_per_sm=2, num_stages=3),
                            dx=TileConfig(block_m=1, block_n=4096, num_warps=8))
 
@@ -102,7 +104,7 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfi
         warps, per_sm = PERSISTENT_FWD[block_n]
         return TileConfig(block_m=1, block_n=block_n, num_warps=warps, programs_per_sm=per_sm)
     if n > MAX_FUSED_N_FWD or (n > 16384 and param_size >= 4 and has_bias):
-        return FWD_CHUNKED
+        return FWD_CHUNKED_FP32_PARAMS if param_size >= 4 and has_bias else FWD_CHUNKED
     if block_n <= 2048:  # small rows, QK-norm's 64-256 too: 2K-element tiles, 4 warps (H100 sweep)
         return TileConfig(block_m=2048 // block_n, block_n=block_n, num_warps=4)
     return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n, num_warps=8 if block_n <= 8192 else 16)

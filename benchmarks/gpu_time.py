@@ -1,0 +1,62 @@
+"""GPU time of shardnorm's kernels at the kernel benchmark's shapes, without host time.
+
+`bench_kernels.py` times what a user sees (autograd, Python, launches): at small rows that is the
+GPU machine's shared CPU, which moves those medians by 2x between runs. Here the bare launchers
+(`kernels.norm_fwd` / `norm_bwd`, default configs) are replayed from a CUDA graph
+(`do_bench_cudagraph`), so the numbers say what the kernels reach and stay comparable across runs.
+Same byte counts and copy ceiling as bench_kernels.py (forward: read x, write y; backward: read x
+and dy, write dx; do_bench of a device-to-device copy). Outputs are not checked here: the kernel
+tests and bench_kernels.py do that.
+
+    python benchmarks/gpu_time.py --out gpu_time.json [--weights bfloat16,float32]
+"""
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from bench_kernels import GENAI, LLAMA, QK_NORM, copy_bandwidth
+from shardnorm.kernels import norm_bwd, norm_fwd
+
+EPS = 1e-6
+
+
+def gpu_gbs(m: int, n: int, rms: bool, weight_dtype: torch.dtype) -> tuple:
+    """(forward, backward) GB/s of the bare launchers for one shape."""
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.randn(n, device="cuda", dtype=weight_dtype)
+    b = None if rms else torch.randn(n, device="cuda", dtype=weight_dtype)
+    _, _, mean, rstd = norm_fwd(x, w, b, None, EPS, rms, False)
+    fwd_ms = do_bench_cudagraph(lambda: norm_fwd(x, w, b, None, EPS, rms, False), return_mode="median")
+    bwd_ms = do_bench_cudagraph(lambda: norm_bwd(dy, None, x, w, mean, rstd, b is not None, rms, False),
+                                return_mode="median")
+    nbytes = m * n * x.element_size()
+    return 2 * nbytes / fwd_ms / 1e6, 3 * nbytes / bwd_ms / 1e6
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--weights", default="bfloat16,float32")
+    args = parser.parse_args(argv)
+    copy_gbs = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
+    rows = []
+    for weights in args.weights.split(","):
+        for norm in ("layer", "rms"):
+            for m, n in GENAI + LLAMA + QK_NORM:
+                fwd, bwd = gpu_gbs(m, n, norm == "rms", getattr(torch, weights))
+                rows.append(dict(norm=norm, weight_dtype=weights, M=m, N=n, fwd_gbs=fwd, bwd_gbs=bwd,
+                                 fwd_of_copy=fwd / copy_gbs, bwd_of_copy=bwd / copy_gbs))
+                print(f"{norm:5s} {weights:8s} {m:6d} x {n:5d}  fwd {fwd:5.0f} GB/s ({fwd / copy_gbs:4.0%})  "
+                      f"bwd {bwd:5.0f} GB/s ({bwd / copy_gbs:4.0%})", flush=True)
+                torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), copy_gbs=copy_gbs, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
