@@ -4,7 +4,8 @@ Every provider runs the same shapes in the same process; each one's y, dx and dg
 against a float64 reference first, so a fast wrong kernel cannot win. Times are
 `triton.testing.do_bench` medians after warm-up (it also flushes L2 between repetitions), the best
 of `--repeats` rounds that time every provider in turn (the GPU machine's shared CPU makes host-bound
-medians drift by 2x between runs); inputs that fit in L2 are additionally rotated. Bytes are the minimum traffic: forward reads x and writes
+medians drift by 2x between runs; `gpu_time.py` measures the kernels without host time); inputs
+that fit in L2 are additionally rotated. Bytes are the minimum traffic: forward reads x and writes
 y, backward reads x and dy and writes dx (weights, stats and dgamma are not counted), fwd+bwd the
 sum. Backward is timed as `y.backward(dy, retain_graph=True)`, so it includes the dgamma/dbeta
 reduction. A device-to-device copy measured in the same run is the ceiling.

@@ -168,7 +168,10 @@ def main():
         expected = call(direction, rms, t)()
         nbytes = (2 if direction == "fwd" else 3) * m * n * 2
         params = 1 if rms else 2
-        default = config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms) if direction == "fwd" else config.bwd_config(n, params)
+        if direction == "fwd":
+            default = config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms)
+        else:
+            default = config.bwd_config(n, params)
         rows = []
         for _, _, _, cfg in group:
             undo = using(direction, cfg)

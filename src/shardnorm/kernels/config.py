@@ -6,8 +6,9 @@ recompilation (M is a runtime argument marked `do_not_specialize`).
 
 - Forward: while a row fits in registers (N <= MAX_FUSED_N_FWD) one pass, BLOCK_M rows of
   next_pow2(N) per program (4096 and a narrower tail tile for 4096 < N <= 6144), one program per
-  row block; with fp32 parameters, persistent programs that keep them in registers. Above, each row is walked twice in BLOCK_N chunks (statistics, then
-  normalize, backwards), one program per row.
+  row block; with fp32 parameters, persistent programs that keep them in registers. Above, each row
+  is walked twice in BLOCK_N chunks (statistics, then normalize, backwards), one program per row
+  block.
 - Backward, fused (N <= MAX_FUSED_N_BWD): persistent programs walk the rows grid-stride, each
   keeping its dgamma/dbeta partial sum in registers, then write one fp32 row of the [P, N] partial
   buffer. Its limit depends on how many partial sums (dgamma, dbeta) stay live in registers.
@@ -42,7 +43,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def row_tiles(n: int) -> tuple:
+def row_tiles(n: int) -> tuple[int, int]:
     """(block_n, tail_n) holding a one-pass row: next_pow2(N), or a power of two and a narrower one
     after it where that leaves fewer idle lanes (5120: 4096 + 1024, not 8192; 14336 stays 16384)."""
     whole = next_pow2(n)
@@ -115,7 +116,7 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfi
 # tiles; from 1K columns up, one or two rows, more warps as the row grows, fewer programs per SM
 # as the dgamma/dbeta accumulators fill the registers.
 # The fused backward keeps the weight in registers up to this tile (H100 A/B of GPU time, NOTES.md
-# v7: fp32 weights at N = 5120 +14% (LayerNorm) / +12% (RMSNorm); at 16384 the registers spill, -34%).
+# v7: fp32 weights at N = 5120 +12% (LayerNorm) / +10% (RMSNorm); at 16384 the registers spill, -34%).
 HOIST_PARAMS_MAX_N_BWD = 8192
 FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8, 8, 2, 1), 1024: (2, 4, 4, 2),
              2048: (1, 4, 4, 1), 4096: (1, 8, 2, 1), 8192: (1, 16, 1, 1), 16384: (1, 16, 2, 1)}

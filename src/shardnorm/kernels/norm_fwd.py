@@ -199,6 +199,6 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
             x.stride(0), residual.stride(0) if residual is not None else 0, M, N, eps),
            num_warps=cfg.num_warps, IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
            HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
-           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
-           PERSISTENT=cfg.programs_per_sm > 0)
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, SINGLE_PASS=cfg.single_pass,
+           NUM_STAGES=cfg.num_stages, PERSISTENT=cfg.programs_per_sm > 0)
     return y, z, mean, rstd
