@@ -88,8 +88,8 @@ BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warp
 # by next_pow2(N): (warps, programs per SM); for LayerNorm with bias, and for any norm at 16384.
 # Re-reading fp32 parameters for every row (from L2) was the bottleneck there: H100 A/B of GPU
 # time (NOTES.md v7), LayerNorm 8192 +11%, 14336 +20% and 16384 +21% (both were chunked); RMSNorm
-# 16384 +2% over the chunked path. RMSNorm 8192 and either norm at 4096 stay one block per program
-# (7% and 3% faster than persistent).
+# 16384 +2% over the chunked path. RMSNorm 8192 and both norms at 4096 stay one block per program
+# (RMSNorm 8192 -7%, LayerNorm 4096 -3% when persistent; RMSNorm 4096 92% vs 99% in the sweep).
 PERSISTENT_FWD = {8192: (8, 8), 16384: (16, 4)}
 
 
