@@ -38,7 +38,8 @@ def fwd_candidates(n: int, rms: bool):
                 yield T(bm, bn, warps, single_pass=False, num_stages=stages)
         return
     if n >= 16384 or (n > 4096 and WEIGHT_DTYPE.itemsize >= 4):  # the chunked path as an alternative
-        yield config.FWD_CHUNKED
+        for bm, bn, warps in ((1, 4096, 16), (1, 16384, 32), (2, 8192, 16)):
+            yield T(bm, bn, warps, single_pass=False, num_stages=2 if bm == 2 else 1)
     for bn, tail in dict.fromkeys([(config.next_pow2(n), 0), config.row_tiles(n)]):
         for elems, warps, per_sm in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32), (0, 2, 4, 8)):
             if elems >= bn and 8 <= elems // (32 * warps) <= 32 and (elems == bn or elems <= 16384):
@@ -81,7 +82,7 @@ def bwd_candidates(n: int, partials: int):
 
 
 CASES = {f"{d}-{n}": (d, n) for d in ("fwd", "bwd")
-         for n in (64, 128, 256, 1024, 2048, 4096, 5120, 8192, 14336, 16384, 32768, 65536)}
+         for n in (64, 128, 256, 1024, 2048, 4096, 5120, 8192, 9216, 12288, 14336, 16384, 32768, 65536)}
 
 
 WEIGHT_DTYPE = torch.bfloat16  # --weights

@@ -134,7 +134,7 @@ def test_misaligned_after_aligned(backend, device, rms, n):
         run_case(device, n, rms, torch.bfloat16, rows=3, offset=offset)
 
 
-@pytest.mark.parametrize("rms,n", [(False, 7000), (False, 9000), (True, 9000)])
+@pytest.mark.parametrize("rms,n", [(False, 7000), (False, 12000), (True, 12000)])
 def test_persistent_forward_walks_row_blocks(backend, device, rms, n):
     """fp32 parameters take persistent forward programs that keep them in registers: with more row
     blocks than programs, each program normalizes several."""

@@ -5,8 +5,8 @@ keeps), never on the number of rows M, so a new batch or sequence length never t
 recompilation (M is a runtime argument marked `do_not_specialize`).
 
 - Forward: while a row fits in registers (N <= MAX_FUSED_N_FWD) one pass, BLOCK_M rows of
-  next_pow2(N) per program (4096 and a narrower tail tile for 4096 < N <= 6144), one program per
-  row block; with fp32 parameters, persistent programs that keep them in registers. Above, each row
+  next_pow2(N) per program (or 4096 / 8192 columns and a narrower tail tile, `tail_pays`), one
+  program per row block; with fp32 parameters, persistent programs that keep them in registers. Above, each row
   is walked twice in BLOCK_N chunks (statistics, then normalize, backwards), one program per row
   block.
 - Backward, fused (N <= MAX_FUSED_N_BWD): persistent programs walk the rows grid-stride, each
@@ -93,13 +93,23 @@ BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warp
 PERSISTENT_FWD = {8192: (8, 8), 16384: (16, 4)}
 
 
+def tail_pays(tail_n: int, param_size: int, has_bias: bool) -> bool:
+    """Whether the forward takes a tail tile (H100 GPU-time sweeps and A/B at N = 4608-9216, NOTES.md
+    v7): faster for LayerNorm with fp32 weight and bias (+6% to +32%) and for RMSNorm with tails up to
+    1024 columns (fp32 +5% to +32%, bf16 0 to +6%); slower for LayerNorm with bf16 parameters (-5% to
+    -25%) and RMSNorm with 2048-column tails (-4% to -6%). Longer tails were not measured."""
+    if has_bias:
+        return param_size >= 4 and tail_n <= 2048
+    return tail_n <= 1024
+
+
 @functools.lru_cache(maxsize=None)
 def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfig:
     """param_size: bytes per weight (bias) element. fp32 weight and bias beside a one-pass row above
     16384 columns spill: chunked there (H100 sweep, v5)."""
     block_n, tail_n = row_tiles(n)
-    if tail_n and block_n == 4096:  # 4096 + tail (H100 sweep at 5120, v7; other splits not measured)
-        return TileConfig(block_m=1, block_n=block_n, num_warps=4 if param_size < 4 else 8, tail_n=tail_n)
+    if tail_n and block_n in (4096, 8192) and tail_pays(tail_n, param_size, has_bias):
+        return TileConfig(block_m=1, block_n=block_n, num_warps=8, tail_n=tail_n)
     block_n = next_pow2(n)
     if param_size >= 4 and block_n in PERSISTENT_FWD and (has_bias or block_n == 16384):
         warps, per_sm = PERSISTENT_FWD[block_n]
