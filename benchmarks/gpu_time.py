@@ -18,22 +18,14 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from bench_kernels import GENAI, LLAMA, QK_NORM, copy_bandwidth
-from shardnorm.kernels import norm_bwd, norm_fwd
-
-EPS = 1e-6
+from sweep_tiles import call, inputs
 
 
 def gpu_gbs(m: int, n: int, rms: bool, weight_dtype: torch.dtype) -> tuple:
     """(forward, backward) GB/s of the bare launchers for one shape."""
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-    w = torch.randn(n, device="cuda", dtype=weight_dtype)
-    b = None if rms else torch.randn(n, device="cuda", dtype=weight_dtype)
-    _, _, mean, rstd = norm_fwd(x, w, b, None, EPS, rms, False)
-    fwd_ms = do_bench_cudagraph(lambda: norm_fwd(x, w, b, None, EPS, rms, False), return_mode="median")
-    bwd_ms = do_bench_cudagraph(lambda: norm_bwd(dy, None, x, w, mean, rstd, b is not None, rms, False),
-                                return_mode="median")
-    nbytes = m * n * x.element_size()
+    t = inputs(n, rms, m, weight_dtype)
+    fwd_ms, bwd_ms = (do_bench_cudagraph(call(direction, rms, t), return_mode="median") for direction in ("fwd", "bwd"))
+    nbytes = m * n * t[0].element_size()
     return 2 * nbytes / fwd_ms / 1e6, 3 * nbytes / bwd_ms / 1e6
 
 

@@ -22,10 +22,10 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 import shardnorm
+from bench_kernels import GENAI, LLAMA, QK_NORM
 from shardnorm.kernels import norm_bwd as launch_bwd, norm_fwd as launch_fwd
 
-SHAPES = [(32768, n) for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536)] + \
-         [(16384, n) for n in (4096, 5120, 8192, 14336)] + [(262144, n) for n in (64, 128, 256)]
+SHAPES = GENAI + LLAMA + QK_NORM
 
 
 def host_us(fn, before=None, calls=50) -> float:
@@ -167,7 +167,8 @@ def triton_launch_pieces(x, w, b):
 
     # The launcher's own grid, arguments and constexprs, captured from one call.
     calls = []
-    with unittest.mock.patch.object(fwd_module, "launch", lambda kernel, grid, args, **kw: calls.append((grid, args, kw))):
+    record = lambda kernel, grid, args, **kw: calls.append((grid, args, kw))  # noqa: E731
+    with unittest.mock.patch.object(fwd_module, "launch", record):
         fwd_module.norm_fwd(x, w, b, None, 1e-5, False, False)
     grid, args, kw = calls[0]
     compiled = norm_fwd_kernel[grid](*args, **kw)

@@ -16,8 +16,9 @@ import multiprocessing
 import time
 
 import torch
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench_cudagraph
 
+from bench_kernels import copy_bandwidth
 from shardnorm.kernels import config, norm_bwd, norm_fwd
 from shardnorm.kernels.config import SplitBwdConfig, TileConfig
 
@@ -88,10 +89,11 @@ CASES = {f"{d}-{n}": (d, n) for d in ("fwd", "bwd")
 WEIGHT_DTYPE = torch.bfloat16  # --weights
 
 
-def inputs(n: int, rms: bool, m: int):
+def inputs(n: int, rms: bool, m: int, weight_dtype: torch.dtype):
+    """bf16 x [m, n] and dy, weight (and bias) in weight_dtype, and the forward's statistics."""
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, device="cuda", dtype=WEIGHT_DTYPE)
-    b = None if rms else torch.randn(n, device="cuda", dtype=WEIGHT_DTYPE)
+    w = torch.randn(n, device="cuda", dtype=weight_dtype)
+    b = None if rms else torch.randn(n, device="cuda", dtype=weight_dtype)
     dy = torch.randn_like(x)
     _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-6, rms, False)
     return x, w, b, dy, mean, rstd
@@ -129,7 +131,7 @@ def compile_one(job):
     direction, n, rms, cfg, WEIGHT_DTYPE = job
     undo = using(direction, cfg)
     try:
-        call(direction, rms, inputs(n, rms, 64))()
+        call(direction, rms, inputs(n, rms, 64, WEIGHT_DTYPE))()
         torch.cuda.synchronize()
         return None
     except Exception as e:  # reported again, with the shape, when the parent runs it
@@ -157,15 +159,12 @@ def main():
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         pool.map(compile_one, [job + (WEIGHT_DTYPE,) for job in all_jobs], chunksize=1)
     print(f"compiled {len(all_jobs)} candidates in {time.time() - start:.0f} s", flush=True)
-    src = torch.randn(512 * 2**20, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() * 2 / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
-    del src, dst
+    copy_gbs = copy_bandwidth()
     print(f"device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     results = []
     for (direction, n, rms), group in itertools.groupby(all_jobs, key=lambda j: j[:3]):
         m = rows_for(n)
-        t = inputs(n, rms, m)
+        t = inputs(n, rms, m, WEIGHT_DTYPE)
         expected = call(direction, rms, t)()
         nbytes = (2 if direction == "fwd" else 3) * m * n * 2
         params = 1 if rms else 2

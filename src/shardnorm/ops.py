@@ -4,9 +4,10 @@ them without graph breaks.
 `shardnorm::norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
 `shardnorm::norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)`
 work on 2-D [M, N] tensors whose last dim is contiguous. Absent outputs (z without a residual, mean
-for RMSNorm, dw/db without weight/bias) are None from the backends and empty tensors from the ops. dw/db come in the weight's dtype: the
-kernel's fp32 partial sums, reduced in fp32 in a fixed order, rounded once (so no cast kernel
-follows; the distributed reducer passes fp32 weights to get fp32 grads).
+for RMSNorm, dw/db without weight/bias) are None from the backends and empty tensors from the ops.
+dw/db come in the weight's dtype: the kernel's fp32 partial sums, reduced in fp32 in a fixed order,
+rounded once (so no cast kernel follows; the distributed reducer passes fp32 weights to get fp32
+grads).
 
 Backend: CUDA tensors run the Triton kernels, others the torch reference; SHARDNORM_BACKEND=triton or
 =torch forces one (Triton on CPU tensors needs TRITON_INTERPRET=1).

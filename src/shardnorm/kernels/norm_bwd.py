@@ -72,11 +72,7 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w = 1.0
-    if HOIST_PARAMS:
-        w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
-    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, BLOCK_M, BLOCK_N)
     for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
         rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
             SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
@@ -86,6 +82,17 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
         _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
         dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
     _store_partials(dw_acc, db_acc, PARTIAL, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def _program_state(W, cols, col_mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                   HOIST_PARAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a backward program keeps across its row blocks: the weights of its columns when
+    HOIST_PARAMS (else 1.0, and `_row_tile` reads them per tile) and zeroed dgamma/dbeta accumulators."""
+    w = 1.0
+    if HOIST_PARAMS:
+        w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
+    return w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
 @triton.jit
@@ -123,11 +130,7 @@ def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, strid
     group = tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w = 1.0
-    if HOIST_PARAMS:
-        w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
-    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, BLOCK_M, BLOCK_N)
     for block in tl.range(group, tl.cdiv(M, BLOCK_M), tl.num_programs(1), num_stages=NUM_STAGES):
         rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
             SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
