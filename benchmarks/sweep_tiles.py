@@ -29,11 +29,28 @@ def rows_for(n: int) -> int:
     return 262144 if n <= 256 else 32768
 
 
+CLUSTERS = False  # whether this GPU and Triton run thread-block clusters (set in main)
+
+
+def cluster_candidates(n: int, elems_per_thread: tuple, per_sm_options: tuple, **flags):
+    """One pass over the whole row split across 2-8 CTAs of a cluster, with elems_per_thread
+    elements of the row per thread (more spill in a local sm_90 compile) and per_sm_options CTAs
+    per SM (0: one program per row, not persistent)."""
+    bn = config.next_pow2(n)
+    for ctas, warps, per_sm in itertools.product((2, 4, 8), (4, 8, 16, 32), per_sm_options):
+        if bn // (ctas * 32 * warps) in elems_per_thread:
+            yield T(1, bn, warps, programs_per_sm=per_sm, num_ctas=ctas, **flags)
+
+
 def fwd_candidates(n: int, rms: bool):
     """One-pass tiles, each with one program per row block (0) and with 2-8 persistent programs per
-    SM holding the parameters in registers; above the one-pass limit, chunked tiles."""
-    yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms)
+    SM holding the parameters in registers; above the one-pass limit, clusters and chunked tiles."""
+    yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, config.use_clusters(torch.device("cuda"), rms))
     if n > config.MAX_FUSED_N_FWD or (n > 16384 and WEIGHT_DTYPE.itemsize >= 4 and not rms):
+        if CLUSTERS:
+            yield from cluster_candidates(n, (8, 16, 32), (0, 1, 2))
+            yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, False)
+            return
         for bm, bn, warps, stages in itertools.product((1, 2), (2048, 4096, 8192, 16384), (8, 16, 32), (1, 2)):
             if 4 <= bm * bn // (32 * warps) <= 32:
                 yield T(bm, bn, warps, single_pass=False, num_stages=stages)
@@ -67,8 +84,14 @@ def split_candidates(n: int):
             yield SplitBwdConfig(base.row_sums, T(bm, bn, warps))
 
 
-def bwd_candidates(n: int, partials: int):
-    if n >= 8192:
+def bwd_candidates(n: int, rms: bool):
+    partials = 1 if rms else 2
+    if CLUSTERS and n > 8192:  # clusters against the default and the split pass they replace
+        yield config.bwd_config(n, partials, WEIGHT_DTYPE.itemsize, config.use_clusters(torch.device("cuda"), rms))
+        yield config.BWD_SPLIT
+        for hoist, stages in itertools.product((False, True), (1, 2)):
+            yield from cluster_candidates(n, (8, 16), (1, 2), hoist_params=hoist, num_stages=stages)
+    elif n >= 8192:
         yield from split_candidates(n)
     if n > 16384:
         return
@@ -112,7 +135,7 @@ def using(direction, cfg):
     if direction == "fwd":
         config.fwd_config = lambda *_: cfg
     else:
-        config.bwd_config = lambda n_, g: cfg
+        config.bwd_config = lambda *_: cfg
     return lambda: setattr(config, "fwd_config" if direction == "fwd" else "bwd_config", original)
 
 
@@ -120,7 +143,7 @@ def jobs(cases, norms=("rms", "layer")):
     for name in cases:
         direction, n = CASES[name]
         for rms in [norm == "rms" for norm in norms]:
-            gen = fwd_candidates(n, rms) if direction == "fwd" else bwd_candidates(n, 1 if rms else 2)
+            gen = fwd_candidates(n, rms) if direction == "fwd" else bwd_candidates(n, rms)
             for cfg in dict.fromkeys(gen):
                 yield direction, n, rms, cfg
 
@@ -152,8 +175,9 @@ def main():
     parser.add_argument("--weights", default="bfloat16", help="weight/bias dtype")
     parser.add_argument("--jobs", type=int, default=12)
     args = parser.parse_args()
-    global WEIGHT_DTYPE
+    global WEIGHT_DTYPE, CLUSTERS
     WEIGHT_DTYPE = getattr(torch, args.weights)
+    CLUSTERS = config.clusters(torch.device("cuda"))
     all_jobs = list(jobs(args.cases.split(","), args.norms.split(",")))
     start = time.time()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -168,10 +192,11 @@ def main():
         expected = call(direction, rms, t)()
         nbytes = (2 if direction == "fwd" else 3) * m * n * 2
         params = 1 if rms else 2
+        choices = (config.use_clusters(torch.device("cuda"), rms), False)  # the default, the fallback
         if direction == "fwd":
-            default = config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms)
+            default, fallback = (config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, c) for c in choices)
         else:
-            default = config.bwd_config(n, params)
+            default, fallback = (config.bwd_config(n, params, WEIGHT_DTYPE.itemsize, c) for c in choices)
         rows = []
         for _, _, _, cfg in group:
             undo = using(direction, cfg)
@@ -194,7 +219,7 @@ def main():
         dflt = next((r for r in rows if r["default"]), None)
         print(f"{direction} N={n} {'rms' if rms else 'layer'}: default "
               f"{dflt['of_copy'] if dflt else float('nan'):.0%}; best of {len(rows)}:", flush=True)
-        for r in rows[:3]:
+        for r in rows[:3] + [r for r in rows[3:] if r["cfg"] == repr(fallback)]:  # and the no-cluster path
             print(f"    {r['of_copy']:5.0%} {r['us']:7.1f} us  {r['cfg']}", flush=True)
         del t, expected
         torch.cuda.empty_cache()

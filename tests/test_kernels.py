@@ -12,12 +12,16 @@ import pytest
 import torch
 
 import shardnorm
-from conftest import reference_norm, rel_err
+from conftest import backend_device, reference_norm, rel_err
 from shardnorm.kernels import config
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
-# 9000: LayerNorm backward split (two passes), forward one-pass; the last: forward chunked, backward split.
-HIDDEN = (1, 7, 127, 1000, 4096, 5120, 9000, config.MAX_FUSED_N_FWD + 7232)
+# Rows longer than one program's registers hold: the backward's (20000) and the forward's (40000).
+# Where Triton and the GPU allow it (and always under the interpreter) RMSNorm runs some of them one
+# pass over thread-block clusters (forward 40000, backward 20000), else they take the chunked forward
+# and the split backward: `test_long_rows_without_clusters`.
+LONG = config.MAX_FUSED_N_FWD + 7232
+HIDDEN = (1, 7, 127, 1000, 4096, 5120, 20000, LONG)
 
 
 def _seeded():
@@ -108,7 +112,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("n", [1000, 5120, config.MAX_FUSED_N_FWD + 7232], ids=["one_pass", "tail_tile", "split"])
+@pytest.mark.parametrize("n", [1000, 5120, LONG], ids=["one_pass", "tail_tile", "long"])
 def test_variants(backend, device, variant, rms, n):
     kw = dict(dtype=torch.bfloat16, rows=5) | VARIANTS[variant]
     run_case(device, n, rms, kw.pop("dtype"), **kw)
@@ -126,7 +130,7 @@ def test_strided_rows(backend, device):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("n", [1024, config.MAX_FUSED_N_FWD + 7232], ids=["one_pass", "split"])
+@pytest.mark.parametrize("n", [1024, LONG], ids=["one_pass", "long"])
 def test_misaligned_after_aligned(backend, device, rms, n):
     """The same shapes, first 16-byte aligned, then offset by one element: on a GPU the second call
     must not reuse the kernel Triton compiled for aligned pointers (kernels/launch.py's cache)."""
@@ -145,15 +149,18 @@ def test_persistent_forward_walks_row_blocks(backend, device, rms, n):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("n,rows", [(1000, 301), (config.MAX_FUSED_N_FWD + 7232, 41)], ids=["one_pass", "split"])
-def test_backward_is_bitwise_deterministic(backend, device, rms, n, rows):
+@pytest.mark.parametrize("n,rows,clusters", [(1000, 301, True), (20000, 41, True), (20000, 41, False)],
+                         ids=["one_pass", "long", "long_without_clusters"])
+def test_backward_is_bitwise_deterministic(backend, device, monkeypatch, rms, n, rows, clusters):
     """Many persistent programs, each with its own partial row: repeated runs agree bit for bit."""
-    cfg = config.bwd_config(n, 1 if rms else 2)
+    if not _use_clusters(monkeypatch, device, clusters):
+        pytest.skip("thread-block clusters need a Hopper GPU and Triton >= 3.9")
+    cfg = config.bwd_config(n, 1 if rms else 2, 2, config.use_clusters(device, rms))
     assert config.partial_rows(cfg, rows, n, config.INTERPRETER_SM_COUNT) > 1
     _seeded()
     x = torch.randn(rows, n, device=device)
-    w = torch.randn(n, device=device, requires_grad=True)
-    b = None if rms else torch.randn(n, device=device, requires_grad=True)
+    w = torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True)  # the cluster backward's
+    b = None if rms else torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(rows, n, device=device)
     results = []
     for _ in range(3):
@@ -164,6 +171,56 @@ def test_backward_is_bitwise_deterministic(backend, device, rms, n, rows):
     for other in results[1:]:
         for g0, g1 in zip(results[0], other):
             assert torch.equal(g0, g1)
+
+
+def _use_clusters(monkeypatch, device, wanted: bool) -> bool:
+    """Make the launchers take (or not take) the cluster configs; False if wanted but unsupported."""
+    if wanted and not config.clusters(device):
+        return False
+    monkeypatch.setattr(config, "clusters", lambda _device: wanted)
+    return True
+
+
+@pytest.mark.parametrize("n", [20000, LONG])
+@pytest.mark.parametrize("rms,clusters", [(False, False), (True, False), (True, True)],
+                         ids=["layernorm", "rmsnorm_without_clusters", "rmsnorm_clusters"])
+@pytest.mark.parametrize("case", [dict(dtype=torch.float32), dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
+                                  dict(dtype=torch.bfloat16, residual_dtype=torch.bfloat16, zero_centered=True),
+                                  dict(dtype=torch.float16, bias=False)],
+                         ids=["fp32", "bf16_weight", "residual_zero_centered", "fp16_no_bias"])
+def test_long_rows(monkeypatch, n, rms, clusters, case):
+    """Rows too long for one program: RMSNorm over thread-block clusters where they pay (forward 40000,
+    backward 20000 with bf16 weights) and where Triton and the GPU have them; else, and for LayerNorm,
+    the chunked forward and the split backward."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    device = backend_device("triton")
+    if not _use_clusters(monkeypatch, device, clusters):
+        pytest.skip("thread-block clusters need a Hopper GPU and Triton >= 3.9")
+    kw = dict(case)
+    param_size = kw.get("weight_dtype", torch.float32).itemsize
+    fwd = config.fwd_config(n, param_size, not rms and kw.get("bias", True), config.use_clusters(device, rms))
+    bwd = config.bwd_config(n, 1 if rms else 2, param_size, config.use_clusters(device, rms))
+    assert (fwd.num_ctas > 1) == (clusters and n == LONG)
+    assert (getattr(bwd, "num_ctas", 1) > 1) == (clusters and n == 20000 and param_size == 2)
+    run_case(device, n, rms, kw.pop("dtype"), rows=3, **kw)
+
+
+def test_cluster_configs():
+    """Cluster configs only where asked for (`use_clusters`: RMSNorm), one pass over the whole row,
+    at most a portable cluster (8 CTAs), and no more columns per CTA than one program's one pass."""
+    for (block_n, param_size), cfg in config.CLUSTER_FWD.items():
+        n = block_n - 100
+        assert config.fwd_config(n, param_size, False, True) == cfg
+        assert cfg.single_pass and cfg.block_n >= n and 1 < cfg.num_ctas <= 8
+        assert block_n // cfg.num_ctas <= config.MAX_FUSED_N_FWD
+        assert config.fwd_config(n, param_size, False, False).num_ctas == 1
+    for (block_n, param_size), cfg in config.CLUSTER_BWD.items():
+        n = block_n - 100
+        assert config.bwd_config(n, 1, param_size, True) == cfg and 1 < cfg.num_ctas <= 8
+        assert block_n // cfg.num_ctas <= config.MAX_FUSED_N_BWD[1]
+        assert isinstance(config.bwd_config(n, 1, param_size, False), config.SplitBwdConfig)
+    assert config.use_clusters(torch.device("cpu"), rms=True)
+    assert not config.use_clusters(torch.device("cpu"), rms=False)
 
 
 def test_zero_rows(backend, device):

@@ -15,6 +15,10 @@ recompilation (M is a runtime argument marked `do_not_specialize`).
 - Backward, split (longer rows): a row-sums pass over [BLOCK_M, BLOCK_N] tiles (per-tile partial
   row sums, and dgamma/dbeta partials per row group in registers), then an elementwise dx pass.
   Two reads of x and dy instead of one, but both passes are register-light and run at copy speed.
+- Thread-block clusters (Hopper, Triton >= 3.9, `clusters(device)`): a row too long for one
+  program's registers can stay one pass, the program spread over `num_ctas` CTAs of a cluster that
+  split the row between their register files (row reductions through distributed shared memory).
+  Measured faster than the two reads only for RMSNorm at some sizes (CLUSTER_FWD / CLUSTER_BWD).
 - num_warps grows with the tile so each thread holds a bounded number of elements.
 
 `benchmarks/sweep_tiles.py` measures alternatives by replacing `fwd_config` / `bwd_config` here;
@@ -26,12 +30,16 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
+import triton
 
 # Largest row kept in registers in one pass (elements). Above it the chunked/split paths run.
 MAX_FUSED_N_FWD = 32768
 MAX_FUSED_N_BWD = {0: 16384, 1: 16384, 2: 8192}  # by the number of partial sums (dgamma, dbeta)
 # SM count used where there is no CUDA device (TRITON_INTERPRET on CPU tensors).
-INTERPRETER_SM_COUNT = 4
+INTERPRETER_SM_COUNT = 8
+# The tables were measured with Triton 3.6 (torch 2.11); 3.9 (torch 2.13) compiles some tiles
+# differently, and only it compiles our kernels for thread-block clusters (NOTES.md v8).
+TRITON_3_9 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -64,6 +72,14 @@ class TileConfig:
     num_stages: int = 1  # software-pipelining depth of the row-block and chunk loops
     hoist_params: bool = False  # backward: weight in registers across row blocks (a persistent forward always)
     tail_n: int = 0  # one-pass forward: a second, narrower tile after block_n (5120 = 4096 + 1024)
+    num_ctas: int = 1  # CTAs per program (a thread-block cluster), the row split between them
+
+    def programs(self, blocks: int, sm_count: int) -> int:
+        """Programs to launch for `blocks` row blocks: one per block, or when persistent
+        `programs_per_sm` CTAs on every SM (clusters of num_ctas of them), at most one per block."""
+        if not self.programs_per_sm:
+            return blocks
+        return max(1, min(blocks, sm_count * self.programs_per_sm // self.num_ctas))
 
 
 @dataclass(frozen=True)
@@ -103,11 +119,31 @@ def tail_pays(tail_n: int, param_size: int, has_bias: bool) -> bool:
     return tail_n <= 1024
 
 
+# One pass over a row split across a thread-block cluster of num_ctas CTAs, by next_pow2(N) (and
+# parameter bytes), where it beats reading the row twice (H100 sweep of GPU time, NOTES.md v8):
+# RMSNorm forward 65536 89% vs 77% of copy (fp32 weight 76% vs 69%), backward 32768 with bf16 weight
+# 68% vs 61% (fp32 weight: 42%, 63% at best). Only RMSNorm (`use_clusters`): each cross-CTA reduction
+# costs cluster barriers, LayerNorm needs two per row and lost everywhere (backward 16384: 52% vs
+# 60%, 32768: 38% vs 61%); so did RMSNorm's backward at 65536 (49% vs 61%).
+CLUSTER_FWD = {(65536, 2): TileConfig(block_m=1, block_n=65536, num_warps=8, num_ctas=8),
+               (65536, 4): TileConfig(block_m=1, block_n=65536, num_warps=32, programs_per_sm=1, num_ctas=2)}
+CLUSTER_BWD = {(32768, 2): TileConfig(block_m=1, block_n=32768, num_warps=8, programs_per_sm=2, num_ctas=8,
+                                      hoist_params=True)}
+
+
 @functools.lru_cache(maxsize=None)
-def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfig:
-    """param_size: bytes per weight (bias) element. fp32 weight and bias beside a one-pass row above
-    16384 columns spill: chunked there (H100 sweep, v5)."""
+def fwd_config(n: int, param_size: int = 2, has_bias: bool = False, clusters: bool = False) -> TileConfig:
+    """param_size: bytes per weight (bias) element; clusters: whether programs may span thread-block
+    clusters (`use_clusters`). fp32 weight and bias beside a one-pass row above 16384 columns spill
+    in one program: chunked there (H100 sweep, v5)."""
     block_n, tail_n = row_tiles(n)
+    if TRITON_3_9 and has_bias and param_size == 2:
+        # bf16 LayerNorm: the 3.6 choices below run 13-32% slower under 3.9 (H100 sweep of GPU time
+        # under 3.9, NOTES.md v8): 5120 82% -> 98% of copy, 14336 68% -> 83%, 16384 74% -> 87%.
+        if (block_n, tail_n) == (4096, 1024):
+            return TileConfig(block_m=1, block_n=4096, num_warps=4, tail_n=1024)
+        if next_pow2(n) == 16384:
+            return TileConfig(block_m=1, block_n=16384, num_warps=16, programs_per_sm=2)
     if tail_n and block_n in (4096, 8192) and tail_pays(tail_n, param_size, has_bias):
         return TileConfig(block_m=1, block_n=block_n, num_warps=8, tail_n=tail_n)
     block_n = next_pow2(n)
@@ -115,6 +151,8 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfi
         warps, per_sm = PERSISTENT_FWD[block_n]
         return TileConfig(block_m=1, block_n=block_n, num_warps=warps, programs_per_sm=per_sm)
     if n > MAX_FUSED_N_FWD or (n > 16384 and param_size >= 4 and has_bias):
+        if clusters and (block_n, param_size) in CLUSTER_FWD:
+            return CLUSTER_FWD[block_n, param_size]
         return FWD_CHUNKED_FP32_PARAMS if param_size >= 4 and has_bias else FWD_CHUNKED
     if block_n <= 2048:  # small rows, QK-norm's 64-256 too: 2K-element tiles, 4 warps (H100 sweep)
         return TileConfig(block_m=2048 // block_n, block_n=block_n, num_warps=4)
@@ -133,9 +171,11 @@ FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8,
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_config(n: int, num_partials: int) -> BwdConfig:
+def bwd_config(n: int, num_partials: int, param_size: int = 2, clusters: bool = False) -> BwdConfig:
+    """num_partials: dgamma and/or dbeta; param_size: bytes per weight element; clusters: as in
+    fwd_config."""
     if n > MAX_FUSED_N_BWD[num_partials]:
-        return BWD_SPLIT
+        return CLUSTER_BWD.get((next_pow2(n), param_size), BWD_SPLIT) if clusters else BWD_SPLIT
     block_n = next_pow2(n)
     if block_n < 64:  # rows of a few elements: the 64-column tile size
         return TileConfig(block_m=4096 // block_n, block_n=block_n, num_warps=8, programs_per_sm=2)
@@ -158,7 +198,7 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
     row when M == 0; at most one per row block)."""
     if isinstance(cfg, SplitBwdConfig):
         return row_groups(cfg, m, n, sm_count)
-    return max(1, min(sm_count * cfg.programs_per_sm, cdiv(m, cfg.block_m)))
+    return cfg.programs(cdiv(m, cfg.block_m), sm_count)
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,6 +206,21 @@ def column_sum_block(k: int, sms: int) -> int:
     """Column tile of the dgamma/dbeta reduction over a [P, k] buffer: narrow for narrow buffers,
     so the reduction spreads over enough programs."""
     return min(256, max(32, next_pow2(cdiv(k, 2 * sms))))
+
+
+def use_clusters(device: torch.device, rms: bool) -> bool:
+    """Whether a norm's long rows take the cluster configs: RMSNorm only (CLUSTER_FWD above)."""
+    return rms and clusters(device)
+
+
+@functools.lru_cache(maxsize=None)
+def clusters(device: torch.device) -> bool:
+    """Whether programs may span thread-block clusters on `device`: Hopper or newer with Triton >= 3.9
+    (3.6-3.8 fail to compile our kernels with num_ctas > 1). The interpreter runs a cluster program
+    as one program, so on CPU tensors the cluster configs run (and are tested) as they are."""
+    if device.type != "cuda":
+        return True
+    return TRITON_3_9 and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)

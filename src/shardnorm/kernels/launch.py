@@ -28,20 +28,22 @@ def _spec(arg):
     return type(arg)  # None (a constexpr to Triton) or a float (always fp32)
 
 
-def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> None:
-    """`kernel[grid](*args, num_warps=num_warps, **constexprs)`, minus most of its host time.
-    args: the runtime arguments, in signature order; constexprs: all the constexpr parameters."""
+def launch(kernel, grid: tuple, args: tuple, num_warps: int, num_ctas: int = 1, **constexprs) -> None:
+    """`kernel[grid](*args, num_warps=num_warps, num_ctas=num_ctas, **constexprs)`, minus most of its
+    host time. args: the runtime arguments, in signature order; constexprs: all the constexpr
+    parameters; num_ctas > 1 launches each program as a thread-block cluster of that many CTAs."""
+    options = dict(num_warps=num_warps, num_ctas=num_ctas) if num_ctas > 1 else dict(num_warps=num_warps)
     if not isinstance(kernel, JITFunction):  # the interpreter's InterpretedFunction
-        kernel[grid](*args, num_warps=num_warps, **constexprs)
+        kernel[grid](*args, **options, **constexprs)
         return
     device = driver.active.get_current_device()
-    key = (kernel, device, num_warps, *constexprs.items(), *map(_spec, args))
+    key = (kernel, device, num_warps, num_ctas, *constexprs.items(), *map(_spec, args))
     hit = _compiled.get(key)
     if hit is None:
         names = kernel.arg_names[len(args):]
         if set(names) != constexprs.keys():
             raise TypeError(f"{kernel.__name__} takes constexprs {names}, got {list(constexprs)}")
-        _compiled[key] = kernel[grid](*args, num_warps=num_warps, **constexprs), names
+        _compiled[key] = kernel[grid](*args, **options, **constexprs), names
         return
     compiled, names = hit
     args = (*args, *[constexprs[name] for name in names])

@@ -191,7 +191,8 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     device = src.device
     dx = torch.empty((M, N), dtype=src.dtype, device=device)
     num_grads = int(weight is not None) + int(has_bias)
-    cfg = config.bwd_config(N, num_grads)
+    cfg = config.bwd_config(N, num_grads, weight.element_size() if weight is not None else 2,
+                            config.use_clusters(device, rms))
     sms = config.sm_count(device)
     partial_rows = config.partial_rows(cfg, M, N, sms)
     partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
@@ -217,8 +218,8 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     elif M or num_grads:
         launch(norm_bwd_kernel, (partial_rows,),
                (src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0), dz_stride, M, N),
-               num_warps=cfg.num_warps, HAS_BIAS=has_bias, HAS_DZ=dz is not None, BLOCK_M=cfg.block_m,
-               BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+               num_warps=cfg.num_warps, num_ctas=cfg.num_ctas, HAS_BIAS=has_bias, HAS_DZ=dz is not None,
+               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                HOIST_PARAMS=cfg.hoist_params, **flags)
     if not num_grads:
         return dx, None, None

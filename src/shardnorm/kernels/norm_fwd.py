@@ -191,14 +191,14 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     if M == 0:
         return y, z, mean, rstd
     param = weight if weight is not None else bias
-    cfg = config.fwd_config(N, param.element_size() if param is not None else 2, bias is not None)
-    blocks = config.cdiv(M, cfg.block_m)
-    programs = min(blocks, config.sm_count(device) * cfg.programs_per_sm) if cfg.programs_per_sm else blocks
+    cfg = config.fwd_config(N, param.element_size() if param is not None else 2, bias is not None,
+                            config.use_clusters(device, rms))
+    programs = cfg.programs(config.cdiv(M, cfg.block_m), config.sm_count(device))
     launch(norm_fwd_kernel, (programs,),
            (x, residual, weight, bias, y, z, mean, rstd,
             x.stride(0), residual.stride(0) if residual is not None else 0, M, N, eps),
-           num_warps=cfg.num_warps, IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-           HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
+           num_warps=cfg.num_warps, num_ctas=cfg.num_ctas, IS_RMS=rms, HAS_WEIGHT=weight is not None,
+           HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, SINGLE_PASS=cfg.single_pass,
            NUM_STAGES=cfg.num_stages, PERSISTENT=cfg.programs_per_sm > 0)
     return y, z, mean, rstd
