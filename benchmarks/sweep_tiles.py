@@ -87,7 +87,7 @@ def split_candidates(n: int):
 def bwd_candidates(n: int, rms: bool):
     partials = 1 if rms else 2
     if CLUSTERS and n > 8192:  # clusters against the default and the split pass they replace
-        yield config.bwd_config(n, partials, WEIGHT_DTYPE.itemsize, config.use_clusters(torch.device("cuda"), rms))
+        yield config.bwd_config(n, partials, WEIGHT_DTYPE.itemsize, rms, CLUSTERS and rms)
         yield config.BWD_SPLIT
         for hoist, stages in itertools.product((False, True), (1, 2)):
             yield from cluster_candidates(n, (8, 16), (1, 2), hoist_params=hoist, num_stages=stages)
@@ -95,18 +95,18 @@ def bwd_candidates(n: int, rms: bool):
         yield from split_candidates(n)
     if n > 16384:
         return
-    bn = config.next_pow2(n)
-    small = bn <= 2048
-    for elems, warps, per_sm, stages in itertools.product(
-            (bn, 2048, 4096) if small else (bn,), (4, 8) if small else (8, 16, 32) if bn < 16384 else (16, 32),
-            (2, 4, 8) if small else (1, 2, 3), (1, 2) if small else (1, 2)):
-        if elems >= bn and 4 <= elems // (32 * warps) <= 32:
-            yield T(elems // bn, bn, warps, programs_per_sm=per_sm, num_stages=stages,
-                    hoist_params=bn <= config.HOIST_PARAMS_MAX_N_BWD)
+    for bn, tail in dict.fromkeys([(config.next_pow2(n), 0), config.row_tiles(n)]):  # with a tail tile too
+        small = bn <= 2048
+        for elems, warps, per_sm, stages in itertools.product(
+                (bn, 2048, 4096) if small else (bn,), (4, 8) if small else (8, 16, 32) if bn < 16384 else (16, 32),
+                (2, 4, 8) if small else (1, 2, 3), (1, 2) if small else (1, 2)):
+            if elems >= bn and 4 <= elems // (32 * warps) <= 32:
+                yield T(elems // bn, bn, warps, programs_per_sm=per_sm, num_stages=stages,
+                        hoist_params=bn <= config.HOIST_PARAMS_MAX_N_BWD, tail_n=tail)
 
 
 CASES = {f"{d}-{n}": (d, n) for d in ("fwd", "bwd")
-         for n in (64, 128, 256, 1024, 2048, 4096, 5120, 8192, 9216, 12288, 14336, 16384, 32768, 65536)}
+         for n in (64, 128, 256, 1024, 2048, 4096, 4608, 5120, 8192, 9216, 12288, 14336, 16384, 32768, 65536)}
 
 
 WEIGHT_DTYPE = torch.bfloat16  # --weights
@@ -196,7 +196,7 @@ def main():
         if direction == "fwd":
             default, fallback = (config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, c) for c in choices)
         else:
-            default, fallback = (config.bwd_config(n, params, WEIGHT_DTYPE.itemsize, c) for c in choices)
+            default, fallback = (config.bwd_config(n, params, WEIGHT_DTYPE.itemsize, rms, c) for c in choices)
         rows = []
         for _, _, _, cfg in group:
             undo = using(direction, cfg)

@@ -148,6 +148,17 @@ def test_persistent_forward_walks_row_blocks(backend, device, rms, n):
     run_case(device, n, rms, torch.bfloat16, rows=2 * programs * cfg.block_m + 3)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual_zero_centered"])
+def test_backward_tail_tile(backend, device, residual):
+    """RMSNorm with a bf16 weight at N = 5120 runs the backward as 4096 + 1024 tiles: with more row
+    blocks than persistent programs, and with a residual (dz) and zero-centered gamma."""
+    cfg = config.bwd_config(5120, 1, 2, True)
+    assert cfg.tail_n and cfg.block_n + cfg.tail_n == 5120 and cfg.programs_per_sm
+    rows = 2 * config.INTERPRETER_SM_COUNT * cfg.programs_per_sm + 3
+    kw = dict(residual_dtype=torch.bfloat16, zero_centered=True) if residual else {}
+    run_case(device, 5120, True, torch.bfloat16, rows=rows, weight_dtype=torch.bfloat16, **kw)
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("n,rows,clusters", [(1000, 301, True), (20000, 41, True), (20000, 41, False)],
                          ids=["one_pass", "long", "long_without_clusters"])
@@ -155,7 +166,7 @@ def test_backward_is_bitwise_deterministic(backend, device, monkeypatch, rms, n,
     """Many persistent programs, each with its own partial row: repeated runs agree bit for bit."""
     if not _use_clusters(monkeypatch, device, clusters):
         pytest.skip("thread-block clusters need a Hopper GPU and Triton >= 3.9")
-    cfg = config.bwd_config(n, 1 if rms else 2, 2, config.use_clusters(device, rms))
+    cfg = config.bwd_config(n, 1 if rms else 2, 2, rms, config.use_clusters(device, rms))
     assert config.partial_rows(cfg, rows, n, config.INTERPRETER_SM_COUNT) > 1
     _seeded()
     x = torch.randn(rows, n, device=device)
@@ -199,7 +210,7 @@ def test_long_rows(monkeypatch, n, rms, clusters, case):
     kw = dict(case)
     param_size = kw.get("weight_dtype", torch.float32).itemsize
     fwd = config.fwd_config(n, param_size, not rms and kw.get("bias", True), config.use_clusters(device, rms))
-    bwd = config.bwd_config(n, 1 if rms else 2, param_size, config.use_clusters(device, rms))
+    bwd = config.bwd_config(n, 1 if rms else 2, param_size, rms, config.use_clusters(device, rms))
     assert (fwd.num_ctas > 1) == (clusters and n == LONG)
     assert (getattr(bwd, "num_ctas", 1) > 1) == (clusters and n == 20000 and param_size == 2)
     run_case(device, n, rms, kw.pop("dtype"), rows=3, **kw)
@@ -216,9 +227,9 @@ def test_cluster_configs():
         assert config.fwd_config(n, param_size, False, False).num_ctas == 1
     for (block_n, param_size), cfg in config.CLUSTER_BWD.items():
         n = block_n - 100
-        assert config.bwd_config(n, 1, param_size, True) == cfg and 1 < cfg.num_ctas <= 8
+        assert config.bwd_config(n, 1, param_size, True, True) == cfg and 1 < cfg.num_ctas <= 8
         assert block_n // cfg.num_ctas <= config.MAX_FUSED_N_BWD[1]
-        assert isinstance(config.bwd_config(n, 1, param_size, False), config.SplitBwdConfig)
+        assert isinstance(config.bwd_config(n, 1, param_size, True, False), config.SplitBwdConfig)
     assert config.use_clusters(torch.device("cpu"), rms=True)
     assert not config.use_clusters(torch.device("cpu"), rms=False)
 

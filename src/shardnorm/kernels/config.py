@@ -37,7 +37,7 @@ MAX_FUSED_N_FWD = 32768
 MAX_FUSED_N_BWD = {0: 16384, 1: 16384, 2: 8192}  # by the number of partial sums (dgamma, dbeta)
 # SM count used where there is no CUDA device (TRITON_INTERPRET on CPU tensors).
 INTERPRETER_SM_COUNT = 8
-# The tables were measured with Triton 3.6 (torch 2.11); 3.9 (torch 2.13) compiles some tiles
+# The tables were measured with Triton 3.6 (torch 2.11 on the GPU machine); 3.9 compiles some tiles
 # differently, and only it compiles our kernels for thread-block clusters (NOTES.md v8).
 TRITON_3_9 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
 
@@ -71,7 +71,7 @@ class TileConfig:
     programs_per_sm: int = 0  # persistent programs per SM; 0: one program per tile
     num_stages: int = 1  # software-pipelining depth of the row-block and chunk loops
     hoist_params: bool = False  # backward: weight in registers across row blocks (a persistent forward always)
-    tail_n: int = 0  # one-pass forward: a second, narrower tile after block_n (5120 = 4096 + 1024)
+    tail_n: int = 0  # one pass: a second, narrower tile after block_n (5120 = 4096 + 1024)
     num_ctas: int = 1  # CTAs per program (a thread-block cluster), the row split between them
 
     def programs(self, blocks: int, sm_count: int) -> int:
@@ -166,14 +166,22 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False, clusters: bo
 # The fused backward keeps the weight in registers up to this tile (H100 A/B of GPU time, NOTES.md
 # v7: fp32 weights at N = 5120 +12% (LayerNorm) / +10% (RMSNorm); at 16384 the registers spill, -34%).
 HOIST_PARAMS_MAX_N_BWD = 8192
+# RMSNorm with a bf16 weight at 4097-5120 columns: a 4096 tile and a 512- or 1024-column tail instead
+# of one 8192 tile (H100 sweeps of GPU time, Triton 3.6 and 3.9, NOTES.md v8: 5120 90-91% vs 76% of
+# copy, 4608 87-88% vs 72%); slower for LayerNorm and fp32 weights (v7).
+BWD_TAIL_RMS = dict(block_m=1, block_n=4096, num_warps=8, programs_per_sm=2, num_stages=2, hoist_params=True)
 FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8, 8, 2, 1), 1024: (2, 4, 4, 2),
              2048: (1, 4, 4, 1), 4096: (1, 8, 2, 1), 8192: (1, 16, 1, 1), 16384: (1, 16, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_config(n: int, num_partials: int, param_size: int = 2, clusters: bool = False) -> BwdConfig:
-    """num_partials: dgamma and/or dbeta; param_size: bytes per weight element; clusters: as in
-    fwd_config."""
+def bwd_config(n: int, num_partials: int, param_size: int = 2, rms: bool = False,
+               clusters: bool = False) -> BwdConfig:
+    """num_partials: dgamma and/or dbeta; param_size: bytes per weight element; rms: RMSNorm (one row
+    sum per row, no dbeta); clusters: as in fwd_config."""
+    block_n, tail_n = row_tiles(n)
+    if rms and param_size == 2 and block_n == 4096 and tail_n in (512, 1024):
+        return TileConfig(**BWD_TAIL_RMS, tail_n=tail_n)
     if n > MAX_FUSED_N_BWD[num_partials]:
         return CLUSTER_BWD.get((next_pow2(n), param_size), BWD_SPLIT) if clusters else BWD_SPLIT
     block_n = next_pow2(n)

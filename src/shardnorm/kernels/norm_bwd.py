@@ -66,22 +66,42 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
                     stride_src, stride_dy, stride_dz, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_STAGES: tl.constexpr,
                     HOIST_PARAMS: tl.constexpr):
-    """One pass: whole rows (BLOCK_N >= N) in registers, dgamma/dbeta accumulated across row blocks."""
+    """One pass: whole rows in registers (the tile `cols` and, with TAIL_N, the narrower tile after
+    it), dgamma/dbeta accumulated across row blocks."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, BLOCK_M, BLOCK_N)
+    if TAIL_N > 0:
+        tail_cols = BLOCK_N + tl.arange(0, TAIL_N)
+        tail_mask = tail_cols < N
+        tail_w, tail_dw, tail_db = _program_state(W, tail_cols, tail_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS,
+                                                  BLOCK_M, TAIL_N)
     for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
         rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
             SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
             IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
-        c1 = tl.sum(xhat * wdy, axis=1) / N
-        c2 = tl.sum(wdy, axis=1) / N
+        sum_xwdy = tl.sum(xhat * wdy, axis=1)
+        sum_wdy = tl.sum(wdy, axis=1)
+        if TAIL_N > 0:
+            _, _, tail_tile_mask, tail_xhat, tail_dy, tail_wdy, _ = _row_tile(
+                SRC, DY, W, tail_w, MEAN, RSTD, block, tail_cols, tail_mask, M, stride_src, stride_dy, BLOCK_M,
+                IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
+            sum_xwdy += tl.sum(tail_xhat * tail_wdy, axis=1)
+            sum_wdy += tl.sum(tail_wdy, axis=1)
+        c1 = sum_xwdy / N
+        c2 = sum_wdy / N
         _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
         dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
+        if TAIL_N > 0:
+            _store_dx(tail_xhat, tail_wdy, rstd, c1, c2, DX, DZ, rows64, tail_cols, tail_tile_mask, N, stride_dz,
+                      IS_RMS, HAS_DZ)
+            tail_dw, tail_db = _accumulate(tail_dw, tail_db, tail_dy, tail_xhat, HAS_WEIGHT, HAS_BIAS)
     _store_partials(dw_acc, db_acc, PARTIAL, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
+    if TAIL_N > 0:
+        _store_partials(tail_dw, tail_db, PARTIAL, pid, tail_cols, tail_mask, N, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
@@ -191,7 +211,7 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     device = src.device
     dx = torch.empty((M, N), dtype=src.dtype, device=device)
     num_grads = int(weight is not None) + int(has_bias)
-    cfg = config.bwd_config(N, num_grads, weight.element_size() if weight is not None else 2,
+    cfg = config.bwd_config(N, num_grads, weight.element_size() if weight is not None else 2, rms,
                             config.use_clusters(device, rms))
     sms = config.sm_count(device)
     partial_rows = config.partial_rows(cfg, M, N, sms)
@@ -219,7 +239,7 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
         launch(norm_bwd_kernel, (partial_rows,),
                (src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0), dz_stride, M, N),
                num_warps=cfg.num_warps, num_ctas=cfg.num_ctas, HAS_BIAS=has_bias, HAS_DZ=dz is not None,
-               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
                HOIST_PARAMS=cfg.hoist_params, **flags)
     if not num_grads:
         return dx, None, None
