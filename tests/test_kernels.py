@@ -18,8 +18,8 @@ from shardnorm.kernels import config
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
 # Rows longer than one program's registers hold: the backward's (20000) and the forward's (40000).
 # Where Triton and the GPU allow it (and always under the interpreter) RMSNorm runs some of them one
-# pass over thread-block clusters (forward 40000, backward 20000), else they take the chunked forward
-# and the split backward: `test_long_rows_without_clusters`.
+# pass over thread-block clusters (forward 40000, backward 20000 with a bf16 weight), else they take the
+# chunked forward and the split backward: `test_long_rows` runs both.
 LONG = config.MAX_FUSED_N_FWD + 7232
 HIDDEN = (1, 7, 127, 1000, 4096, 5120, 20000, LONG)
 
@@ -170,7 +170,7 @@ def test_backward_is_bitwise_deterministic(backend, device, monkeypatch, rms, n,
     assert config.partial_rows(cfg, rows, n, config.INTERPRETER_SM_COUNT) > 1
     _seeded()
     x = torch.randn(rows, n, device=device)
-    w = torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True)  # the cluster backward's
+    w = torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True)  # as the cluster backward takes
     b = None if rms else torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(rows, n, device=device)
     results = []

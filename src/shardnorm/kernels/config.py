@@ -139,7 +139,7 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False, clusters: bo
     block_n, tail_n = row_tiles(n)
     if TRITON_3_9 and has_bias and param_size == 2:
         # bf16 LayerNorm: the 3.6 choices below run 13-32% slower under 3.9 (H100 sweep of GPU time
-        # under 3.9, NOTES.md v8): 5120 82% -> 98% of copy, 14336 68% -> 83%, 16384 74% -> 87%.
+        # under 3.9 at 5120, 14336 and 16384, NOTES.md v8): 82% -> 98% of copy, 68% -> 83%, 74% -> 87%.
         if (block_n, tail_n) == (4096, 1024):
             return TileConfig(block_m=1, block_n=4096, num_warps=4, tail_n=1024)
         if next_pow2(n) == 16384:
@@ -223,12 +223,13 @@ def use_clusters(device: torch.device, rms: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def clusters(device: torch.device) -> bool:
-    """Whether programs may span thread-block clusters on `device`: Hopper or newer with Triton >= 3.9
-    (3.6-3.8 fail to compile our kernels with num_ctas > 1). The interpreter runs a cluster program
-    as one program, so on CPU tensors the cluster configs run (and are tested) as they are."""
+    """Whether programs may span thread-block clusters on `device`: NVIDIA Hopper or newer with Triton
+    >= 3.9 (3.6-3.8 fail to compile our kernels with num_ctas > 1; ROCm has no clusters). The
+    interpreter runs a cluster program as one program, so on CPU tensors the cluster configs run (and
+    are tested) as they are."""
     if device.type != "cuda":
         return True
-    return TRITON_3_9 and torch.cuda.get_device_capability(device)[0] >= 9
+    return TRITON_3_9 and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
