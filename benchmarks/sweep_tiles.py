@@ -29,7 +29,7 @@ def rows_for(n: int) -> int:
     return 262144 if n <= 256 else 32768
 
 
-CLUSTERS = False  # whether this GPU and Triton run thread-block clusters (set in main)
+CUDA = torch.device("cuda")
 
 
 def cluster_candidates(n: int, elems_per_thread: tuple, per_sm_options: tuple, **flags):
@@ -45,9 +45,9 @@ def cluster_candidates(n: int, elems_per_thread: tuple, per_sm_options: tuple, *
 def fwd_candidates(n: int, rms: bool):
     """One-pass tiles, each with one program per row block (0) and with 2-8 persistent programs per
     SM holding the parameters in registers; above the one-pass limit, clusters and chunked tiles."""
-    yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, config.use_clusters(torch.device("cuda"), rms))
+    yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, config.use_clusters(CUDA, rms))
     if n > config.MAX_FUSED_N_FWD or (n > 16384 and WEIGHT_DTYPE.itemsize >= 4 and not rms):
-        if CLUSTERS:
+        if config.clusters(CUDA):
             yield from cluster_candidates(n, (8, 16, 32), (0, 1, 2))
             yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, False)
             return
@@ -86,8 +86,8 @@ def split_candidates(n: int):
 
 def bwd_candidates(n: int, rms: bool):
     partials = 1 if rms else 2
-    if CLUSTERS and n > 8192:  # clusters against the default and the split pass they replace
-        yield config.bwd_config(n, partials, WEIGHT_DTYPE.itemsize, rms, CLUSTERS and rms)
+    if config.clusters(CUDA) and n > 8192:  # clusters against the default and the split pass they replace
+        yield config.bwd_config(n, partials, WEIGHT_DTYPE.itemsize, rms, config.use_clusters(CUDA, rms))
         yield config.BWD_SPLIT
         for hoist, stages in itertools.product((False, True), (1, 2)):
             yield from cluster_candidates(n, (8, 16), (1, 2), hoist_params=hoist, num_stages=stages)
@@ -175,9 +175,8 @@ def main():
     parser.add_argument("--weights", default="bfloat16", help="weight/bias dtype")
     parser.add_argument("--jobs", type=int, default=12)
     args = parser.parse_args()
-    global WEIGHT_DTYPE, CLUSTERS
+    global WEIGHT_DTYPE
     WEIGHT_DTYPE = getattr(torch, args.weights)
-    CLUSTERS = config.clusters(torch.device("cuda"))
     all_jobs = list(jobs(args.cases.split(","), args.norms.split(",")))
     start = time.time()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -192,7 +191,7 @@ def main():
         expected = call(direction, rms, t)()
         nbytes = (2 if direction == "fwd" else 3) * m * n * 2
         params = 1 if rms else 2
-        choices = (config.use_clusters(torch.device("cuda"), rms), False)  # the default, the fallback
+        choices = (config.use_clusters(CUDA, rms), False)  # the default, the fallback
         if direction == "fwd":
             default, fallback = (config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, c) for c in choices)
         else:
