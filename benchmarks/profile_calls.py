@@ -161,16 +161,17 @@ def triton_launch_pieces(x, w, b):
     """Host cost of one Triton launch of the forward kernel, and of the parts of JITFunction.run."""
     from triton.runtime.driver import driver
 
-    from shardnorm.kernels.launch import launch
+    from shardnorm.kernels.launch import Launcher
     fwd_module = importlib.import_module("shardnorm.kernels.norm_fwd")  # the module, not its function
     from shardnorm.kernels.norm_fwd import norm_fwd_kernel
 
     # The launcher's own grid, arguments and constexprs, captured from one call.
     calls = []
-    record = lambda kernel, grid, args, **kw: calls.append((grid, args, kw))  # noqa: E731
-    with unittest.mock.patch.object(fwd_module, "launch", record):
+    record = lambda launcher, grid, *args: calls.append((launcher, grid, args))  # noqa: E731
+    with unittest.mock.patch.object(Launcher, "__call__", record):
         fwd_module.norm_fwd(x, w, b, None, 1e-5, False, False)
-    grid, args, kw = calls[0]
+    launcher, grid, args = calls[0]
+    kw = dict(launcher.options, **launcher.constexprs)
     compiled = norm_fwd_kernel[grid](*args, **kw)
     device = driver.active.get_current_device()
     stream = driver.active.get_current_stream(device)
@@ -178,7 +179,7 @@ def triton_launch_pieces(x, w, b):
     bound = list(binder(*args, **kw)[0].values())
     return dict(
         triton_launch=host_us(lambda: norm_fwd_kernel[grid](*args, **kw)),
-        cached_launch=host_us(lambda: launch(norm_fwd_kernel, grid, args, **kw)),
+        cached_launch=host_us(lambda: launcher(grid, *args)),
         triton_binder=host_us(lambda: binder(*args, **kw)),
         triton_device_stream=host_us(lambda: driver.active.get_current_stream(driver.active.get_current_device())),
         compiled_run=host_us(lambda: compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,

@@ -13,6 +13,7 @@ import argparse
 import itertools
 import json
 import multiprocessing
+import sys
 import time
 
 import torch
@@ -130,13 +131,23 @@ def call(direction, rms, t):
 
 
 def using(direction, cfg):
-    """Point the launchers at cfg; returns the undo."""
-    original = config.fwd_config if direction == "fwd" else config.bwd_config
-    if direction == "fwd":
-        config.fwd_config = lambda *_: cfg
-    else:
-        config.bwd_config = lambda *_: cfg
-    return lambda: setattr(config, "fwd_config" if direction == "fwd" else "bwd_config", original)
+    """Point the launchers at cfg; returns the undo. The launchers keep the plan (config and
+    compiled launches) they chose per shape, so both changes forget those."""
+    name = "fwd_config" if direction == "fwd" else "bwd_config"
+    original = getattr(config, name)
+    setattr(config, name, lambda *_: cfg)
+    forget_plans()
+
+    def undo():
+        setattr(config, name, original)
+        forget_plans()
+
+    return undo
+
+
+def forget_plans():
+    for module in ("norm_fwd", "norm_bwd"):
+        sys.modules[f"shardnorm.kernels.{module}"]._plan.cache_clear()
 
 
 def jobs(cases, norms=("rms", "layer")):

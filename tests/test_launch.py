@@ -1,9 +1,13 @@
-"""The launch cache's key (kernels/launch.py): every property Triton specializes an argument on
-must change the key, or a kernel compiled for one argument would be reused for another."""
+"""kernels/launch.py: every property Triton specializes an argument on must change the launch
+cache's key, or a kernel compiled for one argument would be reused for another; a Launcher's
+constexprs must match its kernel's."""
 
+import pytest
 import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-from shardnorm.kernels.launch import _spec
+from shardnorm.kernels.launch import Launcher, _spec
 
 
 def test_tensor_key_has_dtype_and_alignment():
@@ -37,3 +41,23 @@ def test_launch_hooks_are_seen():
             assert _installed(hook)
         finally:
             hook.remove(probe)
+
+
+def _kernel_source(X, N, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    pass
+
+
+def _constexpr_first(BLOCK: tl.constexpr, X, N):
+    pass
+
+
+def test_launcher_checks_constexprs():
+    """A Launcher appends the constexpr values after the runtime arguments in signature order, so it
+    must be given exactly the kernel's constexprs, and they must come last in its signature."""
+    kernel = JITFunction(_kernel_source)  # a compiled-mode kernel even under TRITON_INTERPRET
+    assert Launcher(kernel, 4, BLOCK=64, EVEN=True).trailing == (64, True)
+    assert Launcher(kernel, 4, EVEN=False, BLOCK=32).trailing == (32, False)  # signature order
+    with pytest.raises(TypeError, match="EVEN"):
+        Launcher(kernel, 4, BLOCK=64)
+    with pytest.raises(TypeError, match="BLOCK"):
+        Launcher(JITFunction(_constexpr_first), 4, BLOCK=64)

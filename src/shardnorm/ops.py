@@ -13,6 +13,7 @@ Backend: CUDA tensors run the Triton kernels, others the torch reference; SHARDN
 =torch forces one (Triton on CPU tensors needs TRITON_INTERPRET=1).
 """
 
+import functools
 import os
 from typing import Optional
 
@@ -29,10 +30,17 @@ def _backend(x: Tensor):
     if name == "torch":
         return reference
     if name == "triton":
-        from . import kernels  # imported lazily: importing triton is slow and CPU runs don't need it
-
-        return kernels
+        return _kernels()
     raise ValueError(f"SHARDNORM_BACKEND must be one of {BACKENDS}, got {name!r}")
+
+
+@functools.cache
+def _kernels():
+    """The Triton backend, imported on first use: importing triton is slow and CPU runs don't need it
+    (and an import statement in `_backend` would cost every call the import machinery's lookup)."""
+    from . import kernels
+
+    return kernels
 
 
 def _present(outputs: tuple, like: Tensor) -> tuple:

@@ -3,20 +3,19 @@
 `kernel[grid](...)` binds and specializes every argument, reads Triton's knobs and builds a string
 cache key before it launches: ~38 us of host time per launch on the H100 machine's CPU, of which
 the launch itself is ~12 us (benchmarks/NOTES.md, v5). At small sizes a norm's whole kernel takes
-that long, so `launch` keys the compiled kernel on what Triton specializes an argument on (a
-tensor's dtype and 16-byte alignment; an int's width, whether it is 1, whether 16 divides it) plus
-the constexprs and the device, and launches it as JITFunction.run does after its own lookup. A key
-Triton has not seen goes through `kernel[grid]` (which compiles or finds the kernel) and is
-remembered. The key is at least as fine as Triton's, so a cached kernel is never reused where Triton
-would have specialized differently. The interpreter (TRITON_INTERPRET=1) always takes the plain path.
+that long, so a `Launcher` fixes a kernel's constexprs and launch options once and keys the compiled
+kernel on what Triton specializes a runtime argument on (a tensor's dtype and 16-byte alignment; an
+int's width, whether it is 1, whether 16 divides it) plus the device, and launches it as
+JITFunction.run does after its own lookup. A key Triton has not seen goes through `kernel[grid]`
+(which compiles or finds the kernel) and is remembered. The key is at least as fine as Triton's, so a
+cached kernel is never reused where Triton would have specialized differently. The interpreter
+(TRITON_INTERPRET=1) always takes the plain path.
 """
 
 from torch import Tensor
 from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
-
-_compiled = {}  # key -> (CompiledKernel, constexpr names in signature order)
 
 
 def _spec(arg):
@@ -28,33 +27,42 @@ def _spec(arg):
     return type(arg)  # None (a constexpr to Triton) or a float (always fp32)
 
 
-def launch(kernel, grid: tuple, args: tuple, num_warps: int, num_ctas: int = 1, **constexprs) -> None:
-    """`kernel[grid](*args, num_warps=num_warps, num_ctas=num_ctas, **constexprs)`, minus most of its
-    host time. args: the runtime arguments, in signature order; constexprs: all the constexpr
-    parameters; num_ctas > 1 launches each program as a thread-block cluster of that many CTAs."""
-    options = dict(num_warps=num_warps, num_ctas=num_ctas) if num_ctas > 1 else dict(num_warps=num_warps)
-    if not isinstance(kernel, JITFunction):  # the interpreter's InterpretedFunction
-        kernel[grid](*args, **options, **constexprs)
-        return
-    device = driver.active.get_current_device()
-    key = (kernel, device, num_warps, num_ctas, *constexprs.items(), *map(_spec, args))
-    hit = _compiled.get(key)
-    if hit is None:
-        names = kernel.arg_names[len(args):]
-        if set(names) != constexprs.keys():
-            raise TypeError(f"{kernel.__name__} takes constexprs {names}, got {list(constexprs)}")
-        _compiled[key] = kernel[grid](*args, **options, **constexprs), names
-        return
-    compiled, names = hit
-    args = (*args, *[constexprs[name] for name in names])
-    stream = driver.active.get_current_stream(device)
-    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    if _installed(enter) or _installed(leave):  # e.g. a profiler's: what JITFunction.run passes them
-        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid3, stream, *args), enter, leave, *args)
-    else:  # building launch metadata nobody reads costs as much as the launch
-        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+class Launcher:
+    """`kernel[grid](*args, num_warps=num_warps, num_ctas=num_ctas, **constexprs)` minus most of its
+    host time. constexprs: all the kernel's constexpr parameters, which follow its runtime ones;
+    num_ctas > 1 launches each program as a thread-block cluster of that many CTAs. Built once per
+    launch configuration (the launchers' plans hold them), called with the runtime arguments."""
+
+    def __init__(self, kernel, num_warps: int, num_ctas: int = 1, **constexprs):
+        self.kernel = kernel
+        self.options = dict(num_warps=num_warps, num_ctas=num_ctas) if num_ctas > 1 else dict(num_warps=num_warps)
+        self.constexprs = constexprs
+        self.compiled = {}  # (device, *argument specs) -> CompiledKernel
+        if isinstance(kernel, JITFunction):  # not the interpreter's InterpretedFunction
+            names = [p.name for p in kernel.params if p.is_constexpr]
+            if set(names) != constexprs.keys() or kernel.arg_names[-len(names):] != names:
+                raise TypeError(f"{kernel.__name__} takes trailing constexprs {names}, got {list(constexprs)}")
+            self.trailing = tuple(constexprs[name] for name in names)
+
+    def __call__(self, grid: tuple, *args) -> None:
+        if not isinstance(self.kernel, JITFunction):
+            self.kernel[grid](*args, **self.options, **self.constexprs)
+            return
+        device = driver.active.get_current_device()
+        key = (device, *map(_spec, args))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            self.compiled[key] = self.kernel[grid](*args, **self.options, **self.constexprs)
+            return
+        stream = driver.active.get_current_stream(device)
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        args = (*args, *self.trailing)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if _installed(enter) or _installed(leave):  # e.g. a profiler's: what JITFunction.run passes them
+            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
+                         compiled.launch_metadata(grid3, stream, *args), enter, leave, *args)
+        else:  # building launch metadata nobody reads costs as much as the launch
+            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
 
 
 def _installed(hook) -> bool:

@@ -11,12 +11,14 @@ even when it got no rows; `column_sum_kernel` reduces that buffer over P in a fi
 Deterministic (bitwise repeatable), no atomics, no locks.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from . import config
-from .launch import launch
+from .launch import Launcher
 from .norm_fwd import _load_params
 
 
@@ -207,50 +209,75 @@ def column_sum_kernel(PARTIAL, OUT_W, OUT_B, P, N, K, BLOCK_P: tl.constexpr, BLO
 def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
     """Launch the backward on 2-D tensors. Returns dx (src's dtype) and dweight, dbias in the
     weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias."""
-    M, N = src.shape
     device = src.device
-    dx = torch.empty((M, N), dtype=src.dtype, device=device)
-    num_grads = int(weight is not None) + int(has_bias)
-    cfg = config.bwd_config(N, num_grads, weight.element_size() if weight is not None else 2, rms,
-                            config.use_clusters(device, rms))
-    sms = config.sm_count(device)
-    partial_rows = config.partial_rows(cfg, M, N, sms)
-    partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
-    flags = dict(IS_RMS=rms, HAS_WEIGHT=weight is not None, ZERO_CENTERED=zero_centered)
-    dz_stride = dz.stride(0) if dz is not None else 0
-    if isinstance(cfg, config.SplitBwdConfig):
-        sums_cfg, dx_cfg = cfg.row_sums, cfg.dx
-        sum_tiles = config.cdiv(N, sums_cfg.block_n)
-        row_sums = torch.empty((1 if rms else 2, M, sum_tiles), dtype=torch.float32, device=device)
-        if M or num_grads:
-            launch(row_sums_kernel, (sum_tiles, partial_rows),
-                   (src, dy, weight, mean, rstd, row_sums, partial, src.stride(0), dy.stride(0), M, N),
-                   num_warps=sums_cfg.num_warps, HAS_BIAS=has_bias, BLOCK_M=sums_cfg.block_m,
-                   BLOCK_N=sums_cfg.block_n, NUM_STAGES=sums_cfg.num_stages,
-                   HOIST_PARAMS=sums_cfg.hoist_params, **flags)
-        if M:
-            dx_tiles = config.cdiv(M, dx_cfg.block_m) * config.cdiv(N, dx_cfg.block_n)
-            launch(dx_kernel, (dx_tiles,),
-                   (src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride(0), dy.stride(0), dz_stride, M, N,
-                    sum_tiles),
-                   num_warps=dx_cfg.num_warps, HAS_DZ=dz is not None, BLOCK_M=dx_cfg.block_m,
-                   BLOCK_N=dx_cfg.block_n, SUM_TILES=config.next_pow2(sum_tiles), **flags)
-    elif M or num_grads:
-        launch(norm_bwd_kernel, (partial_rows,),
-               (src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0), dz_stride, M, N),
-               num_warps=cfg.num_warps, num_ctas=cfg.num_ctas, HAS_BIAS=has_bias, HAS_DZ=dz is not None,
-               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
-               HOIST_PARAMS=cfg.hoist_params, **flags)
-    if not num_grads:
-        return dx, None, None
-    # dgamma, dbeta: separate tensors (custom-op outputs may not alias); with no weight the
-    # partial columns hold dbeta only, so OUT_W gets them.
-    param_dtype = weight.dtype if weight is not None else torch.float32
-    dweight = torch.empty(N, dtype=param_dtype, device=device) if weight is not None else None
-    dbias = torch.empty(N, dtype=param_dtype, device=device) if has_bias else None
-    block_k = config.column_sum_block(num_grads * N, sms)
-    out_w = dweight if weight is not None else dbias
-    launch(column_sum_kernel, (config.cdiv(num_grads * N, block_k),),
-           (partial, out_w, dbias if has_bias else out_w, partial_rows, N, num_grads * N),
-           num_warps=4, BLOCK_P=16, BLOCK_K=block_k)
-    return dx, dweight, dbias
+    plan = _plan(src.shape[1], weight.dtype if weight is not None else None, has_bias, dz is not None, rms,
+                 zero_centered, device, config.use_clusters(device, rms))
+    return plan(dy, dz, src, weight, mean, rstd)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_centered: bool, device,
+          clusters: bool) -> "_BwdPlan":
+    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters)
+
+
+class _BwdPlan:
+    """A backward's launches for one N, weight dtype, variant and device: configs and launchers are
+    chosen once, so a call does only what depends on the tensors (M, allocations, pointers). At small
+    sizes the host time of a call is most of the backward's time (benchmarks/NOTES.md, v9)."""
+
+    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters):
+        has_weight = weight_dtype is not None
+        self.has_bias, self.row_sum_kinds = has_bias, 1 if rms else 2  # LayerNorm: two sums per row
+        self.num_grads = int(has_weight) + int(has_bias)
+        self.grad_dtype = weight_dtype if has_weight else torch.float32
+        self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters)
+        self.sms = config.sm_count(device)
+        flags = dict(IS_RMS=rms, HAS_WEIGHT=has_weight, ZERO_CENTERED=zero_centered)
+        if isinstance(self.cfg, config.SplitBwdConfig):
+            sums, dx = self.cfg.row_sums, self.cfg.dx
+            self.sum_tiles = config.cdiv(n, sums.block_n)
+            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, HAS_BIAS=has_bias, BLOCK_M=sums.block_m,
+                                     BLOCK_N=sums.block_n, NUM_STAGES=sums.num_stages,
+                                     HOIST_PARAMS=sums.hoist_params, **flags)
+            self.dx = Launcher(dx_kernel, dx.num_warps, HAS_DZ=has_dz, BLOCK_M=dx.block_m, BLOCK_N=dx.block_n,
+                               SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
+        else:
+            cfg = self.cfg
+            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, HAS_BIAS=has_bias, HAS_DZ=has_dz,
+                                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
+                                  NUM_STAGES=cfg.num_stages, HOIST_PARAMS=cfg.hoist_params, **flags)
+        block_k = config.column_sum_block(self.num_grads * n, self.sms)
+        self.column_programs = config.cdiv(self.num_grads * n, block_k)
+        self.column_sum = Launcher(column_sum_kernel, 4, BLOCK_P=16, BLOCK_K=block_k)
+
+    def __call__(self, dy, dz, src, weight, mean, rstd):
+        M, N = src.shape
+        device = src.device
+        dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
+        num_grads = self.num_grads
+        partial_rows = config.partial_rows(self.cfg, M, N, self.sms)
+        partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
+        dz_stride = dz.stride(0) if dz is not None else 0
+        if isinstance(self.cfg, config.SplitBwdConfig):
+            row_sums = torch.empty((self.row_sum_kinds, M, self.sum_tiles), dtype=torch.float32, device=device)
+            if M or num_grads:
+                self.row_sums((self.sum_tiles, partial_rows), src, dy, weight, mean, rstd, row_sums, partial,
+                              src.stride(0), dy.stride(0), M, N)
+            if M:
+                dx_tiles = config.cdiv(M, self.cfg.dx.block_m) * config.cdiv(N, self.cfg.dx.block_n)
+                self.dx((dx_tiles,), src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride(0), dy.stride(0),
+                        dz_stride, M, N, self.sum_tiles)
+        elif M or num_grads:
+            self.fused((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0),
+                       dz_stride, M, N)
+        if not num_grads:
+            return dx, None, None
+        # dgamma, dbeta: separate tensors (custom-op outputs may not alias); with no weight the
+        # partial columns hold dbeta only, so OUT_W gets them.
+        dweight = torch.empty(N, dtype=self.grad_dtype, device=device) if weight is not None else None
+        dbias = torch.empty(N, dtype=self.grad_dtype, device=device) if self.has_bias else None
+        out_w = dweight if weight is not None else dbias
+        self.column_sum((self.column_programs,), partial, out_w, out_w if dbias is None else dbias, partial_rows, N,
+                        num_grads * N)
+        return dx, dweight, dbias

@@ -6,12 +6,14 @@ With a residual, z = x + residual is rounded to z's dtype and stored first, and 
 that rounded z, so forward and backward (which re-reads z) see the same input.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from . import config
-from .launch import launch
+from .launch import Launcher
 
 
 @triton.jit
@@ -182,23 +184,42 @@ def _store_stats(MEAN, RSTD, rows64, row_mask, mean, rstd, IS_RMS: tl.constexpr)
 def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
     """Launch the forward kernel on 2-D x [M, N] (last dim contiguous). Returns y, z, mean, rstd;
     z is None without a residual, mean None for RMSNorm."""
-    M, N = x.shape
     device = x.device
-    y = torch.empty((M, N), dtype=x.dtype, device=device)
-    z = torch.empty((M, N), dtype=torch.result_type(x, residual), device=device) if residual is not None else None
-    mean = None if rms else torch.empty(M, dtype=torch.float32, device=device)
-    rstd = torch.empty(M, dtype=torch.float32, device=device)
-    if M == 0:
-        return y, z, mean, rstd
     param = weight if weight is not None else bias
-    cfg = config.fwd_config(N, param.element_size() if param is not None else 2, bias is not None,
-                            config.use_clusters(device, rms))
-    programs = cfg.programs(config.cdiv(M, cfg.block_m), config.sm_count(device))
-    launch(norm_fwd_kernel, (programs,),
-           (x, residual, weight, bias, y, z, mean, rstd,
-            x.stride(0), residual.stride(0) if residual is not None else 0, M, N, eps),
-           num_warps=cfg.num_warps, num_ctas=cfg.num_ctas, IS_RMS=rms, HAS_WEIGHT=weight is not None,
-           HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
-           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, SINGLE_PASS=cfg.single_pass,
-           NUM_STAGES=cfg.num_stages, PERSISTENT=cfg.programs_per_sm > 0)
-    return y, z, mean, rstd
+    plan = _plan(x.shape[1], param.element_size() if param is not None else 2, weight is not None, bias is not None,
+                 residual is not None, rms, zero_centered, device, config.use_clusters(device, rms))
+    return plan(x, weight, bias, residual, eps)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(n: int, param_size: int, has_weight: bool, has_bias: bool, has_residual: bool, rms: bool,
+          zero_centered: bool, device, clusters: bool) -> "_FwdPlan":
+    return _FwdPlan(n, param_size, has_weight, has_bias, has_residual, rms, zero_centered, device, clusters)
+
+
+class _FwdPlan:
+    """The forward's launch for one N, parameter size, variant and device, chosen once (see
+    norm_bwd's _BwdPlan)."""
+
+    def __init__(self, n, param_size, has_weight, has_bias, has_residual, rms, zero_centered, device, clusters):
+        self.rms = rms
+        self.cfg = cfg = config.fwd_config(n, param_size, has_bias, clusters)
+        self.sms = config.sm_count(device)
+        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, IS_RMS=rms, HAS_WEIGHT=has_weight,
+                               HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ZERO_CENTERED=zero_centered,
+                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
+                               SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
+                               PERSISTENT=cfg.programs_per_sm > 0)
+
+    def __call__(self, x, weight, bias, residual, eps):
+        M, N = x.shape
+        device = x.device
+        y = torch.empty_like(x)  # x is [M, N] with unit column stride: dense means contiguous
+        z = torch.empty((M, N), dtype=torch.result_type(x, residual), device=device) if residual is not None else None
+        mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
+        rstd = torch.empty(M, dtype=torch.float32, device=device)
+        if M:
+            programs = self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
+            self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride(0),
+                        residual.stride(0) if residual is not None else 0, M, N, eps)
+        return y, z, mean, rstd
