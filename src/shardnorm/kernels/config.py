@@ -136,17 +136,17 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False, clusters: bo
     """param_size: bytes per weight (bias) element; clusters: whether programs may span thread-block
     clusters (`use_clusters`). fp32 weight and bias beside a one-pass row above 16384 columns spill
     in one program: chunked there (H100 sweep, v5)."""
-    block_n, tail_n = row_tiles(n)
+    block_n = next_pow2(n)
+    main_n, tail_n = row_tiles(n)
     if TRITON_3_9 and has_bias and param_size == 2:
         # bf16 LayerNorm: the 3.6 choices below run 13-32% slower under 3.9 (H100 sweep of GPU time
         # under 3.9 at 5120, 14336 and 16384, NOTES.md v8): 82% -> 98% of copy, 68% -> 83%, 74% -> 87%.
-        if (block_n, tail_n) == (4096, 1024):
+        if (main_n, tail_n) == (4096, 1024):
             return TileConfig(block_m=1, block_n=4096, num_warps=4, tail_n=1024)
-        if next_pow2(n) == 16384:
+        if block_n == 16384:
             return TileConfig(block_m=1, block_n=16384, num_warps=16, programs_per_sm=2)
-    if tail_n and block_n in (4096, 8192) and tail_pays(tail_n, param_size, has_bias):
-        return TileConfig(block_m=1, block_n=block_n, num_warps=8, tail_n=tail_n)
-    block_n = next_pow2(n)
+    if tail_n and main_n in (4096, 8192) and tail_pays(tail_n, param_size, has_bias):
+        return TileConfig(block_m=1, block_n=main_n, num_warps=8, tail_n=tail_n)
     if param_size >= 4 and block_n in PERSISTENT_FWD and (has_bias or block_n == 16384):
         warps, per_sm = PERSISTENT_FWD[block_n]
         return TileConfig(block_m=1, block_n=block_n, num_warps=warps, programs_per_sm=per_sm)
@@ -179,12 +179,12 @@ def bwd_config(n: int, num_partials: int, param_size: int = 2, rms: bool = False
                clusters: bool = False) -> BwdConfig:
     """num_partials: dgamma and/or dbeta; param_size: bytes per weight element; rms: RMSNorm (one row
     sum per row, no dbeta); clusters: as in fwd_config."""
-    block_n, tail_n = row_tiles(n)
-    if rms and param_size == 2 and block_n == 4096 and tail_n in (512, 1024):
+    block_n = next_pow2(n)
+    main_n, tail_n = row_tiles(n)
+    if rms and param_size == 2 and main_n == 4096 and tail_n in (512, 1024):
         return TileConfig(**BWD_TAIL_RMS, tail_n=tail_n)
     if n > MAX_FUSED_N_BWD[num_partials]:
-        return CLUSTER_BWD.get((next_pow2(n), param_size), BWD_SPLIT) if clusters else BWD_SPLIT
-    block_n = next_pow2(n)
+        return CLUSTER_BWD.get((block_n, param_size), BWD_SPLIT) if clusters else BWD_SPLIT
     if block_n < 64:  # rows of a few elements: the 64-column tile size
         return TileConfig(block_m=4096 // block_n, block_n=block_n, num_warps=8, programs_per_sm=2)
     block_m, warps, per_sm, stages = FUSED_BWD[block_n]
