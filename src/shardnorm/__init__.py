@@ -19,5 +19,6 @@ def __getattr__(name):
     if name in ("distributed", "fsdp", "deepspeed"):
         import importlib
 
-        return importlib.import_module(f".{name}", __name__)
+        # `shardnorm.fsdp` is the public name of `shardnorm.distributed.fsdp` (the same module object)
+        return importlib.import_module(".distributed.fsdp" if name == "fsdp" else f".{name}", __name__)
     raise AttributeError(f"module 'shardnorm' has no attribute {name!r}")

@@ -1,4 +1,11 @@
-"""`shardnorm.fsdp`: the FSDP helpers (see shardnorm/distributed/fsdp.py)."""
+"""`shardnorm.fsdp` is `shardnorm.distributed.fsdp`: one module under its public name, not a copy.
 
-from shardnorm.distributed.fsdp import *  # noqa: F401,F403
-from shardnorm.distributed.fsdp import __all__  # noqa: F401
+Importing this file puts the real module in its place (`sys.modules`), so `import shardnorm.fsdp`,
+`shardnorm.fsdp` (lazy, see `shardnorm/__init__.py`) and `shardnorm.distributed.fsdp` are one object.
+"""
+
+import sys
+
+from shardnorm.distributed import fsdp as _fsdp
+
+sys.modules[__name__] = _fsdp

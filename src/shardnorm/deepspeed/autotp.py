@@ -9,8 +9,9 @@ hook on each: one synchronous all-reduce per parameter per micro-batch.
 For the norm weights among them, shardnorm takes that job instead: it sets the flag DeepSpeed
 checks (`_ds_grad_allreduce_registered`) before `deepspeed.initialize`, lets the local partial
 sums accumulate in `.grad` over the micro-batches, and at the end of the last micro-batch's
-backward all-reduces them over the tensor-parallel group in fp32 buckets: one collective per
-bucket per optimizer step.
+backward shardnorm's one `NormGradReducer` (source: `PartialGrads`, the step boundary being the
+engine's) harvests them and all-reduces them over the tensor-parallel group in fp32 buckets: one
+collective per bucket per optimizer step.
 
 That timing needs the grads to stay in `.grad` until the accumulation boundary's backward ends,
 which holds for ZeRO stage 0 and 1 (with `overlap_comm` off and grads accumulated in the parameter
@@ -21,8 +22,9 @@ accumulated; there shardnorm cannot own the reduction and asks for `"grad_reduce
 import types
 
 import torch
-import torch.distributed as dist
 
+from ..distributed.grad_sources import PartialGrads
+from ..distributed.reducer import NormGradReducer
 from .config import ShardnormConfigError, ShardnormSection
 from .conversion import shardnorm_modules
 
@@ -77,15 +79,13 @@ def _check_engine(engine) -> None:
             "DeepSpeed's per-parameter all-reduce.")
 
 
-class TPNormGradReducer:
-    """Sums the marked norm grads over the tensor-parallel group: fp32 buckets, once per optimizer step."""
+class AutoTPNormGrads:
+    """Takes the marked norm grads' tensor-parallel all-reduce from AutoTP and gives it to a `NormGradReducer`."""
 
-    def __init__(self, params: list, bucket_numel: int):
+    def __init__(self, params: list, bucket_cap_mb: float):
         self.params = params
-        self.bucket_numel = bucket_numel
-        self.engine = None
-        self.group = None
-        self._queued = False
+        self.bucket_cap_mb = bucket_cap_mb
+        self.reducer: NormGradReducer | None = None  # built by attach(), once the tp group exists
 
     def claim(self) -> None:
         """Before `deepspeed.initialize`: set the flag that makes AutoTP skip its per-parameter hook."""
@@ -97,43 +97,14 @@ class TPNormGradReducer:
         _check_engine(engine)
         from deepspeed.utils import groups
 
-        self.engine = engine
-        self.group = groups.get_tensor_model_parallel_group()
-        for p in self.params:
-            p.register_hook(self._on_grad)
-
-    def _on_grad(self, grad: torch.Tensor) -> None:
-        if not self._queued and self.engine.is_gradient_accumulation_boundary():
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
-
-    def buckets(self) -> list:
-        """The marked params cut into runs of at most bucket_numel elements (a larger param is its own bucket)."""
-        out, run, size = [], [], 0
-        for p in self.params:
-            if run and size + p.numel() > self.bucket_numel:
-                out.append(run)
-                run, size = [], 0
-            run.append(p)
-            size += p.numel()
-        return out + [run] if run else out
-
-    def _reduce(self) -> None:
-        """Runs when the boundary backward has accumulated every grad, before DeepSpeed reads them."""
-        self._queued = False
-        for bucket in self.buckets():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                              for p in bucket])
-            dist.all_reduce(flat, group=self.group)
-            for p, reduced in zip(bucket, flat.split([p.numel() for p in bucket])):
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(reduced.view_as(p))
+        source = PartialGrads(self.params, groups.get_tensor_model_parallel_group(),
+                              boundary=engine.is_gradient_accumulation_boundary)
+        self.reducer = NormGradReducer(bucket_cap_mb=self.bucket_cap_mb, source=source)
 
 
 def own_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: ShardnormSection):
-    """A TPNormGradReducer for the marked norm params, or None when there are none or the config opts out."""
+    """An AutoTPNormGrads for the marked norm params, or None when there are none or the config opts out."""
     if section.grad_reduce != "step":
         return None
     params = marked_norm_params(model, ds_config)
-    return TPNormGradReducer(params, section.bucket_numel) if params else None
+    return AutoTPNormGrads(params, section.bucket_size_mb) if params else None

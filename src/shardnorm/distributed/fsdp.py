@@ -17,14 +17,15 @@ from torch.distributed.fsdp import (FSDPModule, FullyShardedDataParallel, MixedP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import shardnorm
+from shardnorm._torch_compat import deferred_module_wrap_policy, fsdp1_mixed_precision
 from shardnorm.distributed.accumulation import _ATTR as _REDUCER_ATTR
 from shardnorm.distributed.accumulation import accumulate
 from shardnorm.distributed.fsdp_checkpoint import load, pending_grads, save
 from shardnorm.distributed.fsdp_norm_grads import FSDPNormGradReducer
+from shardnorm.modules import LayerNorm, RMSNorm
 
 NORM_CLASSES = (nn.LayerNorm, nn.RMSNorm)  # torch's and shardnorm's (which subclass them)
-SHARDNORM_CLASSES = (shardnorm.LayerNorm, shardnorm.RMSNorm)
+SHARDNORM_CLASSES = (LayerNorm, RMSNorm)
 
 __all__ = ["FSDPNormGradReducer", "auto_wrap_policy", "find_block_classes", "load", "no_sync",
            "norm_mixed_precision", "pending_grads", "save", "shard_model"]
@@ -69,14 +70,10 @@ def _checked_block_classes(model: nn.Module, classes) -> tuple[type[nn.Module], 
 
 # ---- FSDP1 ---------------------------------------------------------------------------------------------
 
-class BlockWrapPolicy(ModuleWrapPolicy):
-    """`ModuleWrapPolicy` over the transformer blocks, found in the model FSDP wraps when not given."""
+def _block_classes_for_fsdp1(given):
+    """What FSDP1 wraps, decided when it applies the policy to the model: the transformer blocks."""
 
-    def __init__(self, classes=None):
-        super().__init__(classes or ())
-        self._given = tuple(classes) if classes else None
-
-    def _run_policy(self, root_module, ignored_modules, root_kwargs):
+    def choose(root_module: nn.Module, root_kwargs: dict):
         if root_kwargs.get("use_orig_params"):
             for fqn, m in root_module.named_modules():
                 if isinstance(m, SHARDNORM_CLASSES) and any(isinstance(p, DTensor) for p in m.parameters()):
@@ -84,13 +81,16 @@ class BlockWrapPolicy(ModuleWrapPolicy):
                         f"shardnorm: FSDP1 × tensor parallelism with use_orig_params=True is not supported "
                         f"(norm {fqn} has DTensor params; torch's FSDP1 fails on DTensor params in this mode, "
                         f"torch norms too): pass use_orig_params=False, or use shardnorm.fsdp.shard_model")
-        self._module_classes = set(_checked_block_classes(root_module, self._given))
-        return super()._run_policy(root_module, ignored_modules, root_kwargs)
+        return _checked_block_classes(root_module, given)
+
+    return choose
 
 
-def auto_wrap_policy(block_classes=None) -> BlockWrapPolicy:
-    """For `FullyShardedDataParallel(model, auto_wrap_policy=...)`: one unit per block, the rest at the root."""
-    return BlockWrapPolicy(block_classes)
+def auto_wrap_policy(block_classes=None) -> ModuleWrapPolicy:
+    """For `FullyShardedDataParallel(model, auto_wrap_policy=...)`: one unit per block, the rest at the root.
+
+    The blocks are `block_classes`, or found in the model FSDP wraps."""
+    return deferred_module_wrap_policy(_block_classes_for_fsdp1(tuple(block_classes) if block_classes else None))
 
 
 def norm_mixed_precision(param_dtype: torch.dtype = torch.bfloat16,
@@ -104,8 +104,7 @@ def norm_mixed_precision(param_dtype: torch.dtype = torch.bfloat16,
     `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: norm grads accumulate and reduce in
     fp32, and shardnorm's math is fp32 whatever the param dtype.)
     """
-    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=param_dtype,
-                          _module_classes_to_ignore=NORM_CLASSES)
+    return fsdp1_mixed_precision(param_dtype, reduce_dtype, param_dtype, full_precision_classes=NORM_CLASSES)
 
 
 # ---- FSDP2 ---------------------------------------------------------------------------------------------

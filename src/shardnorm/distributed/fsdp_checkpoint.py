@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from shardnorm._torch_compat import fsdp_param_fqn, fsdp_param_holds_unreduced_grad, fsdp_params
 from shardnorm.distributed.accumulation import _ATTR as _REDUCER_ATTR
 
 
@@ -23,16 +24,6 @@ def _nonzero(grad) -> bool:
     return bool(local.count_nonzero())
 
 
-def fsdp_params(module: FSDPModule):
-    """The FSDPParams that `module`'s fully_shard manages (torch >= 2.12 keeps a list of param groups,
-    earlier versions one group or None)."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
-    return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
-
-
 def pending_grads(model: nn.Module) -> list[str]:
     """What on this rank holds accumulated grads that a checkpoint would lose (parameter names)."""
     pending = [name for name, p in model.named_parameters() if _nonzero(p.grad)]
@@ -40,10 +31,8 @@ def pending_grads(model: nn.Module) -> list[str]:
         if not isinstance(module, FSDPModule):
             continue
         for fsdp_param in fsdp_params(module):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if fsdp_param.unsharded_accumulated_grad is not None or \
-                    unsharded is not None and unsharded.grad is not None:
-                pending.append(f"{fsdp_param._param_fqn} (FSDP no-sync grad)")
+            if fsdp_param_holds_unreduced_grad(fsdp_param):
+                pending.append(f"{fsdp_param_fqn(fsdp_param)} (FSDP no-sync grad)")
     reducer = getattr(model, _REDUCER_ATTR, None)
     if reducer is not None and reducer.has_pending:
         pending.append("shardnorm's norm-grad buffer")

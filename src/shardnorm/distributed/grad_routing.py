@@ -10,7 +10,7 @@ still connected to the parameter was not enough: torch 2.11 on CUDA also accumul
 
 import torch
 
-from shardnorm.distributed.reducer import bound_reducer
+from shardnorm.distributed.grad_sources import bound_reducer
 
 
 class _RouteToReducer(torch.autograd.Function):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
 class SequenceParallelNorm(ParallelStyle):
@@ -33,6 +33,7 @@ class SequenceParallelNorm(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # torch's ParallelStyle extension point (parallelize_module calls it); see shardnorm._torch_compat
         if device_mesh.ndim != 1:
             raise ValueError(f"shardnorm: SequenceParallelNorm needs a 1-D (tensor-parallel) mesh, got "
                              f"{device_mesh.ndim}-D {device_mesh}; pass mesh['tp'] to parallelize_module")
@@ -97,5 +98,5 @@ def sequence_parallel_norm(module: nn.Module, group: dist.ProcessGroup, *, seque
     params = list(module.parameters(recurse=False))
     device_type = params[0].device.type if params else ("cuda" if dist.get_backend(group) == "nccl" else "cpu")
     mesh = DeviceMesh.from_group(group, device_type)
-    style = _ProcessGroupSequenceParallelNorm(sequence_dim=sequence_dim, use_local_output=True)
-    return style._apply(module, mesh)
+    return parallelize_module(module, mesh, _ProcessGroupSequenceParallelNorm(sequence_dim=sequence_dim,
+                                                                               use_local_output=True))

@@ -1,16 +1,19 @@
-"""Per-rank fp32 partial-sum buffer for norm weight/bias grads, reduced across the shard group once per step.
+"""The one norm-grad reducer: per-rank fp32 partial sums, reduced across their group once per step.
 
-With sequence parallelism each rank's dgamma/dbeta is a partial sum over its own tokens. Instead of
-letting every norm all-reduce its grads (per parameter, per micro-batch, in the param dtype), the norm's
-backward adds its fp32 partial into this reducer. The buffer keeps accumulating over micro-batches; in the
-last micro-batch's backward each bucket is all-reduced asynchronously as soon as its last contribution
-arrives, and at the end of that backward the reducer waits and writes `.grad` (param dtype and placement).
+With sequence (or tensor) parallelism each rank's dgamma/dbeta is a partial sum over its own tokens.
+Instead of an all-reduce per parameter and micro-batch in the param dtype, every partial sum goes into
+this reducer's fp32 buffer, which keeps accumulating over micro-batches; in the last micro-batch's backward
+each bucket is all-reduced asynchronously as soon as its last contribution arrives, and at the end of that
+backward (or at `finalize()`, Megatron-Core's `finalize_model_grads`) the reducer waits and adds the sums to
+`.grad` (param dtype and placement). Where the partial sums come from (the norms' backward, FSDP's
+reduce-scatter output, a DeepSpeed/Hugging Face hook) is its `source` (`grad_sources.py`); this class owns
+the rest: buckets, accumulation, backward detection, finalize and counting (`collectives`).
 
-Layout is learned: parameters are laid out in the order their grads first arrive (the backward order,
-so buckets fill front to back), one flat fp32 buffer per process group, cut into buckets of
-`bucket_cap_mb`. How many contributions a parameter gets per backward is learned too (1 for a norm used
-once); one that arrives after its bucket was launched is reduced on its own, so correctness never depends
-on the guess.
+Layout is learned for pushed grads: parameters are laid out in the order their grads first arrive (the
+backward order, so buckets fill front to back), one flat fp32 buffer per process group, cut into buckets of
+`bucket_cap_mb`; harvested sources register their parameters up front. How many contributions a parameter
+gets per backward is learned too (1 for a norm used once); one that arrives after its bucket was launched
+is reduced on its own, so correctness never depends on the guess.
 """
 
 from typing import Literal
@@ -19,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shardnorm._torch_compat import current_graph_task_id, queue_backward_callback
+from shardnorm.distributed.grad_sources import GradSource, NormBackward
+
 ReduceMode = Literal["bucketed", "per_layer"]
-_BOUND = "_shardnorm_reducer"
 
 
 class _Slot:
@@ -48,11 +53,13 @@ class NormGradReducer:
     """Owns the cross-rank reduction of norm weight/bias grads: each partial sum is reduced exactly once.
 
     reduce="bucketed": one all-reduce per bucket per optimizer step, overlapped with the last backward.
-    reduce="per_layer": one all-reduce per norm call per micro-batch, issued as its grads arrive
+    reduce="per_layer": one all-reduce per pushed norm call per micro-batch, issued as its grads arrive
     (for debugging and comparison); grads still land in `.grad` only when the step's grads are final.
+    source: where the partial sums come from (default `NormBackward()`: the norms push them).
     """
 
-    def __init__(self, *, bucket_cap_mb: float = 1.0, reduce: ReduceMode = "bucketed"):
+    def __init__(self, *, bucket_cap_mb: float = 1.0, reduce: ReduceMode = "bucketed",
+                 source: GradSource | None = None):
         if reduce not in ("bucketed", "per_layer"):
             raise ValueError(f"shardnorm: reduce must be 'bucketed' or 'per_layer', got {reduce!r}")
         if bucket_cap_mb <= 0:
@@ -60,6 +67,7 @@ class NormGradReducer:
         self.reduce = reduce
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.accumulating = False  # set by shardnorm.accumulate(model): backward passes do not reduce
+        self.collectives = 0  # all-reduces issued so far, every kind (bucket, per-layer, late)
         self.buckets: list[_Bucket] = []
         self._slots: dict[int, _Slot] = {}  # id(param) -> slot; the slot keeps the param alive
         self._staged: list[_Slot] = []  # seen but not yet laid out in a bucket
@@ -67,11 +75,12 @@ class NormGradReducer:
         self._per_layer: list[tuple[object, torch.Tensor, list[_Slot]]] = []
         self._backward_task: int | None = None  # autograd graph task whose end we wait for
         self._syncing = False
+        self.source = source if source is not None else NormBackward()
+        self.source.attach(self)
 
     def bind(self, params) -> None:
-        """Make the norms route these parameters' grads here."""
-        for p in params:
-            setattr(p, _BOUND, self)
+        """Offer the model's parameters to the source (`NormBackward`: the norms route their grads here)."""
+        self.source.bind(params)
 
     @property
     def num_buckets(self) -> int:
@@ -79,36 +88,59 @@ class NormGradReducer:
         return len(self.buckets)
 
     @property
+    def params(self) -> list:
+        """The parameters whose grads this reducer owns so far, in layout order."""
+        return [s.param for s in self._slots.values()]
+
+    @property
     def has_pending(self) -> bool:
         """Whether accumulated grads are waiting for the step's reduction."""
-        return bool(self._staged) or any(s.touched for s in self._slots.values())
+        return bool(self._staged) or any(s.touched for s in self._slots.values()) or self.source.pending
 
-    # ---- called from the norms' backward -------------------------------------------------------------
+    # ---- called by sources, from backward ----------------------------------------------------------------
 
-    def add(self, params: list, grads: list[torch.Tensor], group) -> None:
-        """Add one norm call's local fp32 weight/bias grads (partial sums over this rank's tokens)."""
-        task = torch._C._current_graph_task_id()
+    def note_backward(self) -> None:
+        """A grad for this reducer is being computed: the first call of a backward starts its bookkeeping
+        (the end-of-backward callback, which finalizes unless accumulating)."""
+        task = current_graph_task_id()
         if task != self._backward_task:  # the first grad of this backward pass
             self._begin_backward(task)
+
+    def register(self, params: list, group) -> None:
+        """Lay these parameters out now, in this order (harvested sources, whose params are known up front)."""
+        for p in params:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            self._slot(p, local, group)
+        self._lay_out_staged()
+
+    def add(self, params: list, grads: list[torch.Tensor], group) -> None:
+        """Add one call's local fp32 weight/bias grads (partial sums over this rank's share of `group`)."""
+        self.note_backward()
         slots = [self._slot(p, g, group) for p, g in zip(params, grads)]
         for s in slots:
             s.count += 1
         if self.reduce == "per_layer":
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self._per_layer.append((dist.all_reduce(flat, group=group, async_op=True), flat, slots))
+            self._per_layer.append((self._all_reduce(flat, group, async_op=True), flat, slots))
             return
         for s, g in zip(slots, grads):
-            bucket = s.bucket
-            s.touched = True
-            if bucket is not None and bucket.work is not None:
-                self._late.append((s, g.reshape(-1).clone()))  # reduced on its own in finalize
-                continue
-            s.data.add_(g.reshape(-1))
-            if bucket is not None:
-                bucket.dirty = True
-                bucket.pending -= 1
-                if self._syncing and bucket.pending <= 0:
-                    self._launch(bucket)
+            if self._accumulate(s, g) and s.bucket is not None:
+                s.bucket.pending -= 1
+                if self._syncing and s.bucket.pending <= 0:
+                    self._launch(s.bucket)
+
+    def _accumulate(self, slot: _Slot, grad: torch.Tensor) -> bool:
+        """Add `grad` to the slot's fp32 sum; False when its bucket was launched already (then it is kept
+        aside and reduced on its own in finalize)."""
+        slot.touched = True
+        bucket = slot.bucket
+        if bucket is not None and bucket.work is not None:
+            self._late.append((slot, grad.reshape(-1).clone()))
+            return False
+        slot.data.add_(grad.reshape(-1))
+        if bucket is not None:
+            bucket.dirty = True
+        return True
 
     def _slot(self, param, grad: torch.Tensor, group) -> _Slot:
         slot = self._slots.get(id(param))
@@ -125,7 +157,8 @@ class NormGradReducer:
         self._syncing = not self.accumulating
         for b in self.buckets:
             b.pending = sum(s.expected for s in b.slots)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.source.begin_backward()
+        queue_backward_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self._backward_task = None
@@ -140,8 +173,13 @@ class NormGradReducer:
 
     # ---- reduction -----------------------------------------------------------------------------------
 
+    def _all_reduce(self, flat: torch.Tensor, group, async_op: bool = False):
+        """Every collective of the reducer goes through here, and is counted."""
+        self.collectives += 1
+        return dist.all_reduce(flat, group=group, async_op=async_op)
+
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+        bucket.work = self._all_reduce(bucket.flat, bucket.group, async_op=True)
 
     def _finish_per_layer(self) -> None:
         for work, flat, slots in self._per_layer:
@@ -185,13 +223,16 @@ class NormGradReducer:
         reduced = []
         for group, items in by_group.items():
             flat = torch.cat([g for _, g in items])
-            dist.all_reduce(flat, group=group)
+            self._all_reduce(flat, group)
             reduced.append(([s for s, _ in items], flat))
         return reduced
 
     @torch.no_grad()
     def finalize(self) -> None:
-        """Reduce whatever has not been reduced yet, wait for all of it, and write `.grad`. Idempotent."""
+        """Take in what the source holds, reduce whatever has not been reduced yet, wait for all of it, and
+        add it to `.grad`. Idempotent."""
+        for param, partial in self.source.harvest():
+            self._accumulate(self._slots[id(param)], partial)
         self._finish_per_layer()
         self._lay_out_staged()
         if self.reduce == "bucketed":
@@ -233,7 +274,3 @@ def _accumulate_grad(param, data: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad.add_(grad)
-
-
-def bound_reducer(param) -> NormGradReducer | None:
-    return getattr(param, _BOUND, None)

@@ -1,0 +1,147 @@
+"""Where a reducer's partial sums come from: the one input of `NormGradReducer` that differs per setup.
+
+The reducer owns everything else (fp32 buckets, accumulation, "first grad of this backward", the end-of-
+backward callback, finalize, counting). A source only says how a rank's not-yet-reduced partial sums reach
+it, in one of two ways:
+
+- pushed: the grad is handed to `reducer.add(params, grads, group)` as it is computed. `NormBackward`:
+  shardnorm's norms (`grad_routing.py`) under DTensor sequence parallelism and the process-group mode.
+  Any other caller of `add` (an adapter's hook) is a pushed source too.
+- harvested (`GradAttributeSource`): someone else leaves the partial sums in `param.grad`; at the step
+  boundary the source takes the part not reduced yet out of `.grad` into the reducer's fp32 buffer, and
+  finalize reduces it and adds it back. `PartialGrads`: a hook left local partial sums there (DeepSpeed
+  AutoTP's q/k norms; Hugging Face tensor-parallel styles). `FSDPShardedGrads`
+  (`fsdp_norm_grads.py`): FSDP2's reduce-scatter output, still partial over tp.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+_BOUND = "_shardnorm_reducer"
+
+
+class GradSource:
+    """Base: a pushed source with nothing to harvest. `attach` is called once by the reducer."""
+
+    name = "add"
+
+    def attach(self, reducer) -> None:
+        self.reducer = reducer
+
+    def bind(self, params) -> None:
+        """`attach_reducer` / `reducer_of` offer the model's parameters (again after re-parallelizing)."""
+
+    def begin_backward(self) -> None:
+        """The first grad of a backward reached the reducer."""
+
+    def harvest(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """At the step boundary: (param, flat fp32 partial sum) not reduced yet, taken out of where it was."""
+        return []
+
+    @property
+    def pending(self) -> bool:
+        """Whether this source holds partial sums the next harvest would take."""
+        return False
+
+
+class NormBackward(GradSource):
+    """shardnorm's norms push their fp32 dgamma/dbeta from their backward (`grad_routing.route_to_reducer`)
+    into the reducer bound to their parameters; autograd never writes those parameters' `.grad`."""
+
+    name = "norm_backward"
+
+    def bind(self, params) -> None:
+        for p in params:
+            setattr(p, _BOUND, self.reducer)
+
+
+def bound_reducer(param):
+    """The reducer a norm parameter's grads go to (`NormBackward.bind`), or None."""
+    return getattr(param, _BOUND, None)
+
+
+def local_grad(param: nn.Parameter) -> torch.Tensor | None:
+    grad = param.grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+class GradAttributeSource(GradSource):
+    """Partial sums that accumulate in `param.grad` over `group`; harvested at the step boundary.
+
+    `params` are laid out in the reducer's buckets at once, in this order. A subclass says which params
+    hold unreduced grads (`_unreduced`) and what part of their `.grad` was reduced already (`_base`).
+    """
+
+    def __init__(self, params: list[nn.Parameter], group):
+        self.params, self.group = list(params), group
+
+    def attach(self, reducer) -> None:
+        super().attach(reducer)
+        reducer.register(self.params, self.group)
+
+    def _unreduced(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    def _base(self, param) -> torch.Tensor | None:
+        """The flat fp32 part of `param.grad` that is reduced already (None: nothing)."""
+        return None
+
+    def _forget(self) -> None:
+        """The harvest took everything."""
+
+    def harvest(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        taken = []
+        for p in self._unreduced():
+            local = local_grad(p)
+            if local is None:  # reduced as zeros: another rank may hold a grad for it
+                taken.append((p, torch.zeros(_local_numel(p), dtype=torch.float32, device=p.device)))
+                continue
+            base = self._base(p)
+            partial = local.reshape(-1).to(torch.float32, copy=True)
+            if base is None:
+                local.zero_()
+            else:
+                partial -= base
+                local.copy_(base.view_as(local))
+            taken.append((p, partial))
+        self._forget()
+        return taken
+
+
+class PartialGrads(GradAttributeSource):
+    """A hook leaves each rank's local partial sums in `.grad` over the micro-batches (all of `.grad` is
+    unreduced: the optimizer zeroes it after each step). A backward for which `boundary()` is true ends
+    the step: its end harvests every param (zeros where `.grad` is None), so each rank reduces the same
+    buckets. DeepSpeed AutoTP passes `engine.is_gradient_accumulation_boundary`."""
+
+    name = "partial_grads"
+
+    def __init__(self, params: list[nn.Parameter], group, *, boundary=lambda: True):
+        super().__init__(params, group)
+        self.boundary = boundary
+        self._pending = False
+
+    def attach(self, reducer) -> None:
+        super().attach(reducer)
+        for p in self.params:
+            p.register_hook(self._on_grad)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        self._pending = True
+        if self.boundary():
+            self.reducer.note_backward()
+
+    @property
+    def pending(self) -> bool:
+        return self._pending
+
+    def _unreduced(self) -> list[nn.Parameter]:
+        return self.params if self._pending else []
+
+    def _forget(self) -> None:
+        self._pending = False
+
+
+def _local_numel(param) -> int:
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()

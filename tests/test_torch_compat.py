@@ -1,0 +1,120 @@
+"""Every private torch API in shardnorm/_torch_compat.py still exists and still means what shardnorm relies on.
+
+A torch upgrade that drops or changes one fails here, naming the internal, before it breaks the reducer,
+FSDP checkpoints or the FSDP1 policy in some longer test.
+"""
+
+import pytest
+import torch
+from multiprocess import spawn
+from torch import nn
+
+from shardnorm import _torch_compat as compat
+
+
+def _gone(internal: str) -> str:
+    return (f"torch {torch.__version__}: {internal} is gone or changed meaning; update shardnorm/_torch_compat.py "
+            f"(checked on torch {', '.join(compat.CHECKED_ON)})")
+
+
+def test_autograd_engine_task_id_and_end_of_backward_callback():
+    """One task id per backward, the same for every hook of it; a queued callback runs after every grad
+    of that backward was accumulated."""
+    w1, w2 = (torch.randn(5, requires_grad=True) for _ in range(2))
+    seen, ended = [], []
+
+    def hook(grad):
+        seen.append(compat.current_graph_task_id())
+        if len(seen) % 2 == 1:
+            compat.queue_backward_callback(lambda: ended.append((w1.grad is not None, w2.grad is not None)))
+        return grad
+
+    w1.register_hook(hook)
+    w2.register_hook(hook)
+    assert compat.current_graph_task_id() == -1, _gone("torch._C._current_graph_task_id (outside backward)")
+    for _ in range(2):
+        (w1 * w2 * torch.randn(5)).sum().backward()
+    assert len(seen) == 4 and seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2] \
+        and -1 not in seen, _gone(f"torch._C._current_graph_task_id (ids {seen})")
+    assert ended == [(True, True), (True, True)], _gone(
+        f"Variable._execution_engine.queue_callback (ran {ended}: once per backward, after accumulation)")
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_fsdp1_wrap_policy_and_mixed_precision_hooks():
+    """FSDP1 asks a policy for its units through `_run_policy(root, ignored, root_kwargs)`, which reads
+    `_module_classes`; MixedPrecision still takes `_module_classes_to_ignore`."""
+    model, asked = _Model(), []
+
+    def choose(root, root_kwargs):
+        asked.append(root)
+        return (_Block,)
+
+    policy = compat.deferred_module_wrap_policy(choose)
+    try:
+        units = policy._run_policy(model, set(), {})
+    except AttributeError as e:
+        raise AssertionError(_gone("ModuleWrapPolicy._run_policy")) from e
+    assert asked == [model] and set(units) == set(model.blocks), _gone(
+        f"ModuleWrapPolicy._run_policy / _module_classes (units {list(units)})")
+    mp = compat.fsdp1_mixed_precision(torch.bfloat16, torch.float32, torch.bfloat16, (nn.LayerNorm,))
+    assert mp._module_classes_to_ignore == (nn.LayerNorm,), _gone("MixedPrecision._module_classes_to_ignore")
+
+
+def test_parallel_style_extension_point():
+    """shardnorm's styles implement `ParallelStyle._apply`, the method `parallelize_module` calls."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    assert "_apply" in getattr(ParallelStyle, "__abstractmethods__", ()), _gone("ParallelStyle._apply")
+
+
+def _fsdp2_state(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _Model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = compat.fsdp_params(model.blocks[0])
+    assert len(params) == 4 and not any(compat.fsdp_param_holds_unreduced_grad(p) for p in params), _gone(
+        "FSDPModule._get_fsdp_state / _fsdp_param_groups / FSDPParam.unsharded_accumulated_grad / "
+        "_unsharded_param (before any backward)")
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(4, 8)).sum().backward()
+    names = sorted(str(compat.fsdp_param_fqn(p)) for p in params)  # named at FSDP's lazy init (first forward)
+    assert names == sorted(f"blocks.0.{n}" for n, _ in model.blocks[0].named_parameters()), _gone(
+        f"FSDPParam._param_fqn (got {names})")
+    assert all(compat.fsdp_param_holds_unreduced_grad(p) for p in params), _gone(
+        "FSDPParam.unsharded_accumulated_grad / _unsharded_param (after a no-sync backward)")
+    model.set_requires_gradient_sync(True)
+    model(torch.randn(4, 8)).sum().backward()
+    assert not any(compat.fsdp_param_holds_unreduced_grad(p) for p in params), _gone(
+        "FSDPParam.unsharded_accumulated_grad / _unsharded_param (after the synced backward)")
+
+
+@pytest.mark.distributed
+def test_fsdp2_state_internals():
+    """FSDP2's per-module state lists its params by name and shows no-sync grads until they are reduced."""
+    spawn(_fsdp2_state, 1)
