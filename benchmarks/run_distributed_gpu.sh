@@ -21,8 +21,9 @@ step() {  # step NAME LIMIT_S COMMAND...: log to $WORK/NAME.log, print the verdi
 
 case "${1:-tests}" in
   tests)
-    step distributed 200 python3 -m pytest -q -p no:cacheprovider tests/test_distributed_norms.py \
-      tests/test_distributed_parallelize.py tests/test_distributed_reducer.py
+    step distributed 260 python3 -m pytest -q -p no:cacheprovider tests/test_distributed_norms.py \
+      tests/test_distributed_parallelize.py tests/test_distributed_reducer.py tests/test_torch_compat.py \
+      tests/test_layout.py
     step fsdp 150 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp.py ;;
   deepspeed)
     step deepspeed 200 python3 -m pytest -q -p no:cacheprovider tests/test_deepspeed_zero.py \

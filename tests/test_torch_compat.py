@@ -6,7 +6,7 @@ FSDP checkpoints or the FSDP1 policy in some longer test.
 
 import pytest
 import torch
-from multiprocess import spawn
+from multiprocess import DEVICE, rank_device, spawn
 from torch import nn
 
 from shardnorm import _torch_compat as compat
@@ -92,8 +92,9 @@ def _fsdp2_state(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = _Model()
-    mesh = init_device_mesh("cpu", (world_size,))
+    device = rank_device(rank)
+    model = _Model().to(device)
+    mesh = init_device_mesh(DEVICE, (world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -102,14 +103,14 @@ def _fsdp2_state(rank, world_size):
         "FSDPModule._get_fsdp_state / _fsdp_param_groups / FSDPParam.unsharded_accumulated_grad / "
         "_unsharded_param (before any backward)")
     model.set_requires_gradient_sync(False)
-    model(torch.randn(4, 8)).sum().backward()
+    model(torch.randn(4, 8, device=device)).sum().backward()
     names = sorted(str(compat.fsdp_param_fqn(p)) for p in params)  # named at FSDP's lazy init (first forward)
     assert names == sorted(f"blocks.0.{n}" for n, _ in model.blocks[0].named_parameters()), _gone(
         f"FSDPParam._param_fqn (got {names})")
     assert all(compat.fsdp_param_holds_unreduced_grad(p) for p in params), _gone(
         "FSDPParam.unsharded_accumulated_grad / _unsharded_param (after a no-sync backward)")
     model.set_requires_gradient_sync(True)
-    model(torch.randn(4, 8)).sum().backward()
+    model(torch.randn(4, 8, device=device)).sum().backward()
     assert not any(compat.fsdp_param_holds_unreduced_grad(p) for p in params), _gone(
         "FSDPParam.unsharded_accumulated_grad / _unsharded_param (after the synced backward)")
 

@@ -76,6 +76,9 @@ class NormGradReducer:
         self._backward_task: int | None = None  # autograd graph task whose end we wait for
         self._syncing = False
         self.source = source if source is not None else NormBackward()
+        if reduce == "per_layer" and not isinstance(self.source, NormBackward):
+            raise ValueError(f"shardnorm: reduce='per_layer' reduces grads pushed by the norms' backward; the "
+                             f"source {self.source.name!r} is harvested once per step, use reduce='bucketed'")
         self.source.attach(self)
 
     def bind(self, params) -> None:
