@@ -117,7 +117,10 @@ class NormGradReducer:
         self._lay_out_staged()
 
     def add(self, params: list, grads: list[torch.Tensor], group) -> None:
-        """Add one call's local fp32 weight/bias grads (partial sums over this rank's share of `group`)."""
+        """Add one call's local fp32 weight/bias grads (partial sums over this rank's share of `group`).
+
+        The entry of every pushed source (the norms' backward; an adapter's grad hook): call it from inside
+        a backward. The grads are kept (or reduced) here; whoever calls must not also leave them in `.grad`."""
         self.note_backward()
         slots = [self._slot(p, g, group) for p, g in zip(params, grads)]
         for s in slots:
