@@ -22,9 +22,10 @@ _BOUND = "_shardnorm_reducer"
 
 
 class GradSource:
-    """Base: a pushed source with nothing to harvest. `attach` is called once by the reducer."""
+    """Base: a pushed source (it calls `reducer.add`) with nothing to harvest. The reducer calls `attach`
+    once, from its constructor."""
 
-    name = "add"
+    name = "pushed"
 
     def attach(self, reducer) -> None:
         self.reducer = reducer
