@@ -2,7 +2,7 @@
 
 import torch
 
-from ..convert import DEFAULT_CLASSES, convert
+from ..convert import convert
 from ..modules import LayerNorm, RMSNorm
 from .config import ShardnormSection
 
@@ -30,7 +30,7 @@ def _zero_center(module: torch.nn.Module) -> None:
 
 def convert_norms(model: torch.nn.Module, section: ShardnormSection) -> tuple[torch.nn.Module, int]:
     """Convert the classes named in `section.replace` (all known norms when unset). Returns (model, count)."""
-    model, count = convert(model, classes=section.replace or DEFAULT_CLASSES)
+    model, count = convert(model, classes=section.replace)
     if section.zero_centered_gamma:
         for module in shardnorm_modules(model):
             _zero_center(module)
