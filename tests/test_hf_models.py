@@ -226,11 +226,13 @@ def test_nothing_to_convert_warns():
 
 
 def test_wrapped_norms_are_refused_naming_the_module():
-    """An instance forward (HF tp_plan's replicated_with_grad_allreduce), hooks: refused, never dropped."""
+    """HF tp_plan's replicated_with_grad_allreduce (its own install_forward: an instance forward that hooks the
+    grad all-reduce), module hooks: refused, never dropped."""
+    from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce
+
     model = tiny_model("qwen3", seed=6)
     q_norm = model.model.layers[1].self_attn.q_norm
-    original = q_norm.forward
-    q_norm.forward = lambda *a, **k: original(*a, **k)
+    ReplicatedWithGradAllReduce().install_forward(q_norm, mesh=None)
     assert wrappers_of(q_norm) and "per-instance forward" in wrappers_of(q_norm)[0]
     with pytest.raises(NormWrapperError, match=r"model\.layers\.1\.self_attn\.q_norm \(Qwen3RMSNorm\).*per-instance"):
         shardnorm.convert(model)
@@ -241,3 +243,40 @@ def test_wrapped_norms_are_refused_naming_the_module():
     handle.remove()
     assert wrappers_of(q_norm) == [] and isinstance(convert_module(q_norm), shardnorm.RMSNorm)
     assert lookup(q_norm) is LLAMA
+
+
+def _dtensor_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    norm = torch.nn.RMSNorm(HIDDEN)
+    mesh = init_device_mesh("cpu", (world_size,))
+    norm.weight = torch.nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, [Replicate()]))
+    assert any("DTensor parameter 'weight'" in w for w in wrappers_of(norm))
+    with pytest.raises(NormWrapperError, match=r"blocks\.0 \(RMSNorm\).*DTensor"):
+        shardnorm.convert(torch.nn.ModuleDict({"blocks": torch.nn.Sequential(norm)}))
+
+
+@pytest.mark.distributed
+def test_dtensor_parameters_are_refused():
+    from multiprocess import spawn
+
+    spawn(_dtensor_body, 1)
+
+
+def test_deepspeed_zero_centered_gamma_keeps_gemma_checkpoints_and_warns_for_llama():
+    """The DeepSpeed section's `zero_centered_gamma` stores weight - 1. Gemma norms already scale by 1 + weight:
+    left as they are (state_dict unchanged, no warning). A Llama's weights are shifted: warned about."""
+    from shardnorm.deepspeed.config import parse_section
+    from shardnorm.deepspeed.conversion import convert_norms
+
+    section = parse_section({"zero_centered_gamma": True})
+    gemma = tiny_model("gemma", seed=7)
+    state = {k: v.clone() for k, v in gemma.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gemma, count = convert_norms(gemma, section)
+    assert count > 0 and all(torch.equal(v, state[k]) for k, v in gemma.state_dict().items())
+    llama = tiny_model("llama", seed=7)
+    with pytest.warns(UserWarning, match="no longer plain Hugging Face"):
+        convert_norms(llama, section)
