@@ -5,8 +5,8 @@ Llama, Qwen3 (per-head q/k norms) and Gemma (scale 1 + weight), 4 layers of hidd
 fwd+bwd step time (`model(input_ids, labels).loss.backward()`, median of 10 timed steps, best of 3
 rounds, grads set to None outside the timing, as do_bench does), the peak memory of the timed rounds,
 and parity with the model's own norms in eager mode on the same weights and tokens: the first step's
-loss and the grads of every norm weight (relative error; bf16, so ~1e-3 is rounding, a scale error is
-~1). Eager and `torch.compile` (whole model, default mode); compile cases run after all eager ones and
+loss and the grads of every norm weight (relative error; bf16, so ~1e-2 is rounding, a scale error is
+~1); and each variant's norm-weight grad error against the same model run in fp32. Eager and `torch.compile` (whole model, default mode); compile cases run after all eager ones and
 are skipped, recorded as such, when the time budget (--budget-s) would run out.
 
 Weights are random (seeded), norm weights moved off their init (+ N(0, 0.2)) so a scale error shows.
@@ -23,7 +23,6 @@ import argparse
 import gc
 import inspect
 import json
-import math
 import os
 import statistics
 import sys
@@ -185,13 +184,43 @@ def time_steps(step, params) -> tuple:
     return min(medians), medians, peak
 
 
-def run_case(arch, mode, variant, args, reference):
-    """One case: build, patch, parity of the first step against `reference` (native eager), timing."""
+def _compare(grads: dict, loss: float, reference: dict, prefix: str) -> dict:
+    """Loss and norm-weight grad differences from `reference` (a first step's loss and norm grads)."""
+    errs = {n: ((grads[n] - g_ref).norm() / g_ref.norm()).item() for n, g_ref in reference["grads"].items()}
+    return {f"{prefix}loss_rel_diff": abs(loss - reference["loss"]) / abs(reference["loss"]),
+            f"{prefix}norm_grad_rel_err_max": max(errs.values()),
+            f"{prefix}norm_grad_rel_err_worst": max(errs, key=errs.get)}
+
+
+def _first_step(model, runner, ids) -> dict:
+    for p in model.parameters():
+        p.grad = None
+    loss = runner(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return dict(loss=loss.item(), grads={n: p.grad.float().cpu() for n, p in norm_params(model).items()})
+
+
+def _tokens():
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    return torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=g, device=DEVICE)
+
+
+def fp32_reference(arch, args) -> dict:
+    """The first step of the model's own norms with every weight in fp32: what each bf16 variant approximates."""
+    model = build(arch, args.layers).float()
+    try:
+        return _first_step(model, model, _tokens())
+    finally:
+        del model
+        free()
+
+
+def run_case(arch, mode, variant, args, refs):
+    """One case: build, patch, first step against refs["native"] (native eager bf16) and refs["fp32"], timing."""
     with restore_module_globals(arch):
         model = build(arch, args.layers)
         model, notes = PATCHES[variant](model, arch)
-        g = torch.Generator(device=DEVICE).manual_seed(2)
-        ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=g, device=DEVICE)
+        ids = _tokens()
         runner = torch.compile(model) if mode == "compile" else model
         params = [p for p in model.parameters()]
 
@@ -200,22 +229,17 @@ def run_case(arch, mode, variant, args, reference):
             loss.backward()
             return loss
 
-        for p in params:
-            p.grad = None
         t0 = time.perf_counter()
-        loss = step().item()
-        first_step_s = time.perf_counter() - t0
-        grads = {n: p.grad.float().cpu() for n, p in norm_params(model).items()}
-        row = dict(arch=arch, mode=mode, variant=variant, notes=notes, loss=loss, first_step_s=first_step_s)
-        if reference is not None:
-            row["loss_abs_diff"] = abs(loss - reference["loss"])
-            row["loss_rel_diff"] = row["loss_abs_diff"] / abs(reference["loss"])
-            errs = {n: ((grads[n] - g_ref).norm() / g_ref.norm()).item() for n, g_ref in reference["grads"].items()}
-            row["norm_grad_rel_err_max"] = max(errs.values())
-            row["norm_grad_rel_err_worst"] = max(errs, key=errs.get)
+        first = _first_step(model, runner, ids)
+        row = dict(arch=arch, mode=mode, variant=variant, notes=notes, loss=first["loss"],
+                   first_step_s=time.perf_counter() - t0)
+        if "native" in refs:
+            row.update(_compare(first["grads"], first["loss"], refs["native"], ""))
             row["parity_ok"] = row["loss_rel_diff"] <= LOSS_REL_TOL and row["norm_grad_rel_err_max"] <= GRAD_REL_TOL
+        if "fp32" in refs:
+            row.update(_compare(first["grads"], first["loss"], refs["fp32"], "fp32_"))
         row["ms"], row["round_medians_ms"], row["peak_gib"] = time_steps(step, params)
-        return row, dict(loss=loss, grads=grads)
+        return row, first
 
 
 def free():
@@ -230,19 +254,24 @@ def markdown(rows, meta) -> str:
              f"liger {meta['liger_kernel']})", "",
              f"{meta['layers']} layers, hidden 4096, MLP 14336, 32/8 heads, vocab 32000, bf16, {BATCH} x {SEQ} tokens; "
              f"fwd+bwd median of {TIMED_STEPS}, best of {ROUNDS} rounds. Parity vs the model's own norms, eager.", "",
-             "| arch | mode | variant | ms | vs native | peak GiB | loss | loss rel diff | norm grad rel err (max) | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Parity columns: vs the model's own norms in bf16 eager (loss rel diff / max norm-weight grad rel err), "
+             "and the max norm-weight grad rel err vs the same model in fp32 (what every bf16 variant approximates).",
+             "",
+             "| arch | mode | variant | ms | vs native | peak GiB | loss | loss rel diff | norm grad rel err (max) "
+             "| ok | norm grad rel err vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     native = {(r["arch"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "native"}
     for r in rows:
         if "error" in r or "skipped" in r:
-            lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r.get('error') or r['skipped']} |||||||")
+            lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r.get('error') or r['skipped']} ||||||||")
             continue
         base = native.get((r["arch"], r["mode"]))
         speed = f"{base / r['ms']:.3f}x" if base else ""
         parity = (f"{r['loss_rel_diff']:.1e} | {r['norm_grad_rel_err_max']:.1e} | {r['parity_ok']}"
                   if "parity_ok" in r else "reference | reference | -")
+        fp32 = f"{r['fp32_norm_grad_rel_err_max']:.1e}" if "fp32_norm_grad_rel_err_max" in r else "-"
         lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r['ms']:.1f} | {speed} | {r['peak_gib']:.2f} | "
-                     f"{r['loss']:.4f} | {parity} |")
+                     f"{r['loss']:.4f} | {parity} | {fp32} |")
     lines += ["", "Notes:"] + [f"- {r['arch']} {r['mode']} {r['variant']}: {r.get('notes', '')}" for r in rows
                                if r.get("notes")]
     return "\n".join(lines) + "\n"
@@ -256,6 +285,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="skip (and record) the cases that would start after this many seconds")
+    parser.add_argument("--no-fp32-reference", action="store_true",
+                        help="skip the fp32 first step per architecture that every variant's error is measured against")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the code paths only")
     args = parser.parse_args(argv)
     global DEVICE, SHAPE, SEQ, TIMED_STEPS, ROUNDS
@@ -273,7 +304,8 @@ def main(argv=None):
         except Exception:  # noqa: BLE001
             return "not installed"
 
-    meta = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (--smoke)", torch=torch.__version__, triton=version("triton"),
+    meta = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (--smoke)", torch=torch.__version__,
+                triton=version("triton"),
                 transformers=version("transformers"), liger_kernel=version("liger-kernel"), layers=args.layers,
                 batch=BATCH, seq=SEQ, shape=SHAPE)
     print(json.dumps(meta), flush=True)
@@ -286,15 +318,21 @@ def main(argv=None):
                 row = dict(arch=arch, mode=mode, variant=variant)
                 if elapsed + estimate > args.budget_s:
                     row["skipped"] = f"time budget: {elapsed:.0f} s spent, case estimated {estimate:.0f} s"
-                elif variant != "native" and (arch, "eager") not in references:
+                elif variant != "native" and "native" not in references.get(arch, {}):
                     row["skipped"] = "no native eager reference (it failed)"
                 else:
                     t0 = time.perf_counter()
                     try:
-                        got, ref = run_case(arch, mode, variant, args, references.get((arch, "eager")))
+                        refs = references.setdefault(arch, {})
+                        if mode == "eager" and variant == "native" and not args.no_fp32_reference:
+                            try:
+                                refs["fp32"] = fp32_reference(arch, args)
+                            except Exception as e:  # noqa: BLE001 - the bf16 comparison still runs
+                                row["fp32_reference_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                        got, first = run_case(arch, mode, variant, args, refs)
                         row.update(got)
                         if mode == "eager" and variant == "native":
-                            references[(arch, "eager")] = ref
+                            refs["native"] = first
                     except Exception as e:  # noqa: BLE001 - record it, run the next case
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                         row["traceback"] = traceback.format_exc()[-3000:]

@@ -19,7 +19,7 @@ import shardnorm
 from conftest import rel_err
 from hf_tiny import ARCHITECTURES, HIDDEN, batch, tiny_model
 from shardnorm.convert import NormWrapperError, convert_module, wrappers_of
-from shardnorm.norm_families import KNOWN, LLAMA, lookup
+from shardnorm.norm_families import FLOAT32_SCALE_EPS, KNOWN, LLAMA, lookup
 
 transformers = pytest.importorskip("transformers")
 
@@ -216,7 +216,7 @@ def test_unknown_and_mismatched_norms_are_left_alone_and_reported():
             return torch.nn.functional.rms_norm(x, (HIDDEN,), self.weight, self.eps)
 
     own = OwnRMSNorm()
-    new, count = shardnorm.convert(torch.nn.Sequential(own), extra={OwnRMSNorm: shardnorm.norm_families.FLOAT32_SCALE_EPS})
+    new, count = shardnorm.convert(torch.nn.Sequential(own), extra={OwnRMSNorm: FLOAT32_SCALE_EPS})
     assert count == 1 and new[0].weight is own.weight and rel_err(new[0](x), own(x)) <= TOL
 
 
