@@ -6,8 +6,9 @@ fwd+bwd step time (`model(input_ids, labels).loss.backward()`, median of 10 time
 rounds, grads set to None outside the timing, as do_bench does), the peak memory of the timed rounds,
 and parity with the model's own norms in eager mode on the same weights and tokens: the first step's
 loss and the grads of every norm weight (relative error; bf16, so ~1e-2 is rounding, a scale error is
-~1); and each variant's norm-weight grad error against the same model run in fp32. Eager and `torch.compile` (whole model, default mode); compile cases run after all eager ones and
-are skipped, recorded as such, when the time budget (--budget-s) would run out.
+~1); and each variant's norm-weight grad error against the same model run in fp32. Eager and
+`torch.compile` (whole model, default mode); compile cases run after all eager ones and are skipped,
+recorded as such, when the time budget (--budget-s) would run out.
 
 Weights are random (seeded), norm weights moved off their init (+ N(0, 0.2)) so a scale error shows.
 Liger (liger_kernel): `apply_liger_kernel_to_<arch>(model=..., rms_norm=True, everything else False)`,
