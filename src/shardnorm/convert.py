@@ -1,64 +1,197 @@
 """`convert(model)`: swap a model's norms for shardnorm's in place, keeping the very same Parameters.
 
-Converted: `torch.nn.LayerNorm`, `torch.nn.RMSNorm`, and Hugging Face style RMSNorms (a class whose
-name ends in "RMSNorm" with a `weight` Parameter and a `variance_epsilon` or `eps` float, as Llama,
-Mistral and Qwen define them). Parameters are moved over as objects, so devices, dtypes, optimizer
-references and `requires_grad` are kept; nothing is copied or allocated.
+What is converted is decided by `shardnorm.norm_families` (the math of each known class), never by
+a class-name suffix: `torch.nn.LayerNorm`, `torch.nn.RMSNorm`, and the listed Hugging Face classes
+(Llama, Gemma's `1 + weight`, OLMo2, T5, Cohere, ...). Anything else that looks like a norm is left
+alone and reported in the result's `.skipped` (and in a warning). Parameters are moved over as
+objects, so devices, dtypes, optimizer references, `requires_grad`, parameter hooks and state_dict
+keys and values are kept; nothing is copied or allocated. Under DeepSpeed ZeRO-3 (`zero.Init`)
+the full shape comes from `ds_shape`.
+
+A module whose behaviour lives outside its class (a per-instance `forward`, module hooks, DTensor
+parameters, e.g. from Hugging Face `tp_plan`) is refused with `NormWrapperError`: the new module
+would silently lose it. `wrappers_of` says what is there, `convert_module` converts one module.
 """
 
+import warnings
+from collections import Counter
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 
 from .modules import LayerNorm, RMSNorm
+from .norm_families import Extra, NormFamily, lookup, mismatch
 
-DEFAULT_CLASSES = ("LayerNorm", "RMSNorm", "*RMSNorm")
+DEFAULT_CLASSES = None  # every class shardnorm knows (the old ("LayerNorm", "RMSNorm", "*RMSNorm") is a subset)
 
-
-def _hf_rms_eps(module: torch.nn.Module) -> Optional[float]:
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 and isinstance(eps, float):
-        return eps
-    return None
-
-
-def _matches(name: str, patterns: tuple) -> bool:
-    return any(name == p or (p.startswith("*") and name.endswith(p[1:])) for p in patterns)
+_MODULE_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+                 ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"),
+                 ("_state_dict_pre_hooks", "state_dict pre-hook"), ("_state_dict_hooks", "state_dict hook"),
+                 ("_load_state_dict_pre_hooks", "load_state_dict pre-hook"),
+                 ("_load_state_dict_post_hooks", "load_state_dict post-hook"))
 
 
-def _replacement(module: torch.nn.Module, patterns: tuple) -> Optional[torch.nn.Module]:
-    if isinstance(module, (LayerNorm, RMSNorm)) or not _matches(type(module).__name__, patterns):
-        return None
+class NormWrapperError(ValueError):
+    """A norm carries behaviour (wrappers, hooks, DTensor parameters) that converting it would drop."""
+
+    def __init__(self, name: str, module: torch.nn.Module, wrappers: list):
+        self.name, self.wrappers = name, wrappers
+        super().__init__(
+            f"shardnorm.convert: {name or 'the model'} ({type(module).__name__}) carries {'; '.join(wrappers)}, "
+            "which the new module would drop. Convert before adding them (e.g. before tensor parallelism or "
+            "deepspeed.initialize), or remove them, convert with shardnorm.convert.convert_module, and install "
+            "their equivalent on the new module (Hugging Face tp_plan: shardnorm.integrations.transformers).")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A norm-like module `convert` left alone: where it is, its class, and why."""
+
+    name: str
+    cls: str
+    reason: str
+
+
+class ConvertResult(tuple):
+    """`(model, count)` (so `model, count = convert(model)` works), plus `.converted` (module names)
+    and `.skipped` (a `Skipped` per norm-like module left alone)."""
+
+    def __new__(cls, model, count: int, converted: list, skipped: list):
+        result = super().__new__(cls, (model, count))
+        result.converted, result.skipped = converted, skipped
+        return result
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self[0]
+
+    @property
+    def count(self) -> int:
+        return self[1]
+
+
+def _hook_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def wrappers_of(module: torch.nn.Module) -> list:
+    """What `module` carries beyond its class that a replacement would drop: a per-instance `forward`,
+    module hooks (forward, backward, state_dict), DTensor parameters. Empty: safe to replace."""
+    found = []
+    if "forward" in module.__dict__:
+        found.append(f"a per-instance forward ({_hook_name(module.__dict__['forward'])})")
+    for attr, what in _MODULE_HOOKS:
+        found += [f"a {what} ({_hook_name(h)})" for h in (getattr(module, attr, None) or {}).values()]
+    for name, p in module._parameters.items():
+        if p is not None and any(c.__name__ == "DTensor" for c in type(p).__mro__):
+            found.append(f"a DTensor parameter {name!r} (placements {tuple(p.placements)})")
+    return found
+
+
+def _matches(name: str, patterns: Optional[tuple]) -> bool:
+    return patterns is None or any(name == p or (p.startswith("*") and name.endswith(p[1:])) for p in patterns)
+
+
+def _looks_like_norm(module: torch.nn.Module) -> bool:
+    """A leaf module whose class says it is a norm (the ones worth reporting when left alone)."""
+    return "norm" in type(module).__name__.lower() and next(module.children(), None) is None
+
+
+def _plan(module: torch.nn.Module, extra: Optional[Extra]) -> tuple:
+    """(family, None) when `module` converts, else (None, why not)."""
+    family = lookup(module, extra)
+    if family is None:
+        kind = next((c.__name__ for c in (torch.nn.LayerNorm, torch.nn.RMSNorm) if isinstance(module, c)), None)
+        if kind:
+            return None, f"a subclass of torch.nn.{kind} (its forward may differ); pass extra={{cls: family}} if not"
+        return None, ("not in shardnorm's table of norm classes (shardnorm.norm_families); pass "
+                      "extra={cls: family} to convert it if its forward is one of the families")
+    return (None, reason) if (reason := mismatch(module, family)) else (family, None)
+
+
+def _build(module: torch.nn.Module, family: NormFamily) -> torch.nn.Module:
     if type(module) is torch.nn.LayerNorm:
         new = LayerNorm(module.normalized_shape, module.eps, module.elementwise_affine,
                         bias=module.bias is not None, device="meta")
         new.bias = module.bias
     elif type(module) is torch.nn.RMSNorm:
         new = RMSNorm(module.normalized_shape, module.eps, module.elementwise_affine, device="meta")
-    elif (eps := _hf_rms_eps(module)) is not None:
-        new = RMSNorm(tuple(module.weight.shape), eps, device="meta")
     else:
-        return None
+        shape = tuple(getattr(module.weight, "ds_shape", module.weight.shape))
+        eps = float(getattr(module, family.eps_attr))
+        if family.rms:
+            new = RMSNorm(shape, eps, device="meta", zero_centered_gamma=family.zero_centered_gamma)
+        else:
+            new = LayerNorm(shape, eps, bias=family.bias, device="meta", zero_centered_gamma=family.zero_centered_gamma)
+            if family.bias:
+                new.bias = module.bias
     new.weight = module.weight
     new.train(module.training)
     return new
 
 
-def convert(model: torch.nn.Module, classes: Iterable[str] = DEFAULT_CLASSES) -> tuple[torch.nn.Module, int]:
-    """Replace the norms of `model` (and `model` itself if it is one). Returns (model, count).
+def convert_module(module: torch.nn.Module, extra: Optional[Extra] = None, name: str = "") -> Optional[torch.nn.Module]:
+    """The shardnorm module that computes what `module` computes, sharing its Parameters; None when
+    `module` is not a norm shardnorm knows. Raises `NormWrapperError` (naming `name`) if `module`
+    carries wrappers, hooks or DTensor parameters (`wrappers_of`)."""
+    if isinstance(module, (LayerNorm, RMSNorm)):
+        return None
+    family, _ = _plan(module, extra)
+    if family is None:
+        return None
+    if found := wrappers_of(module):
+        raise NormWrapperError(name, module, found)
+    return _build(module, family)
 
-    `classes`: class names to convert; a leading "*" matches a suffix ("*RMSNorm" covers LlamaRMSNorm).
+
+def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_CLASSES, *,
+            extra: Optional[Extra] = None, warn: bool = True) -> ConvertResult:
+    """Replace the norms of `model` (and `model` itself if it is one). Returns `ConvertResult`:
+    `model, count = convert(model)`, with `.converted` and `.skipped` for the details.
+
+    classes: only convert classes with these names (a leading "*" matches a suffix: "*RMSNorm");
+        default: every class shardnorm knows. Never widens the table.
+    extra: `{cls or class name: NormFamily}` for your own norm classes (see shardnorm.norm_families).
+    warn: warn once, listing the norm-like modules left alone and why.
     """
-    patterns = tuple(classes)
-    root = _replacement(model, patterns)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"shardnorm.convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    patterns = None if classes is None else tuple(classes)
+    converted, skipped, done = [], [], {}
+
+    def visit(name: str, module: torch.nn.Module) -> Optional[torch.nn.Module]:
+        if isinstance(module, (LayerNorm, RMSNorm)) or not _matches(type(module).__name__, patterns):
+            return None
+        if id(module) in done:
+            return done[id(module)]
+        family, reason = _plan(module, extra)
+        if family is None:
+            if _looks_like_norm(module):
+                skipped.append(Skipped(name, type(module).__name__, reason))
+            return None
+        new = done[id(module)] = convert_module(module, extra, name)
+        converted.append(name)
+        return new
+
+    root = visit("", model)
     if root is not None:
-        return root, 1
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            new = _replacement(child, patterns)
-            if new is not None:
-                setattr(parent, name, new)
-                count += 1
-    return model, count
+        model = root
+    else:
+        for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
+            for child_name, child in list(parent.named_children()):
+                new = visit(f"{parent_name}.{child_name}" if parent_name else child_name, child)
+                if new is not None:
+                    setattr(parent, child_name, new)
+    if warn:
+        _warn(model, converted, skipped)
+    return ConvertResult(model, len(converted), converted, skipped)
+
+
+def _warn(model: torch.nn.Module, converted: list, skipped: list) -> None:
+    if skipped:
+        kinds = Counter((s.cls, s.reason) for s in skipped)
+        lines = "; ".join(f"{cls} x{n}: {reason}" for (cls, reason), n in kinds.items())
+        warnings.warn(f"shardnorm.convert left {len(skipped)} norm module(s) alone: {lines}", stacklevel=3)
+    elif not converted and not any(isinstance(m, (LayerNorm, RMSNorm)) for m in model.modules()):
+        warnings.warn(f"shardnorm.convert found no norm to convert in {type(model).__name__}", stacklevel=3)
