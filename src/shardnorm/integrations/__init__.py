@@ -1,0 +1,1 @@
+"""Thin adapters that put shardnorm into other frameworks' training stacks (optional extras)."""
