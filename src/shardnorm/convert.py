@@ -37,7 +37,7 @@ def _replacement(module: torch.nn.Module, patterns: tuple) -> Optional[torch.nn.
     elif type(module) is torch.nn.RMSNorm:
         new = RMSNorm(module.normalized_shape, module.eps, module.elementwise_affine, device="meta")
     elif (eps := _hf_rms_eps(module)) is not None:
-        new = RMSNorm(tuple(module.weight.shape), eps, device="meta")
+        new = RMSNorm(tuple(getattr(module.weight, "ds_shape", module.weight.shape)), eps, device="meta")
     else:
         return None
     new.weight = module.weight
