@@ -3,7 +3,12 @@
 transformers' `replicated_with_grad_allreduce` style (Qwen3's q_norm/k_norm) all-reduces `.grad` after every
 micro-batch, so its grad is 2*G1 + G2; after `shardnorm.integrations.transformers.convert_model` every norm
 grad is the single-process G1 + G2 (<= 1e-5 rel) on every rank, with one reducer all-reduce per step where
-stock issues one per q/k norm per micro-batch. One spawn runs two model shapes (head_dim 12 and 20).
+stock issues one per q/k norm per micro-batch. One spawn runs two model shapes (head_dim 12 and 20), then
+an Accelerate loop (`accelerator.accumulate`, gradient_accumulation_steps=2, clipping, AdamW, 5 steps) with
+`bind_accumulation`: the norm grads are final when the last micro-batch's backward returns (before clipping
+reads them) and the losses follow the single-process run; stock's drift.
+(transformers.Trainer itself refuses a tp_plan model on CPU: Accelerate allows a ParallelismConfig only on
+GPU devices, DeepSpeed or FSDP2; `benchmarks/gpu_hf_tp_plan.py` runs the Trainer with `enable` on 2 GPUs.)
 """
 
 import contextlib
@@ -17,6 +22,7 @@ from multiprocess import spawn
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
+LOSS_TOL = 1e-5
 MICRO = 2
 # (hidden, heads, kv heads, head_dim): hidden sizes and head dims that are not powers of two
 SHAPES = [(48, 4, 2, 12), (40, 2, 2, 20)]
@@ -76,6 +82,80 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def _clip(model, max_norm):
+    """Clip by the global grad norm; grads are DTensors (sharded linears) and plain tensors (norms)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.stack([(g.full_tensor() if hasattr(g, "full_tensor") else g).norm() for g in grads]).norm()
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+STEPS = 5
+
+
+def _train(model, batches, accelerator=None, on_boundary=None):
+    """AdamW, 2 micro-batches per step, clipping at 1.0; with `accelerator`, micro-batches run under
+    `accelerator.accumulate` (which sets sync_gradients) and `accelerator.backward`. Returns the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in batches:
+        for ids in step:
+            if accelerator is None:
+                loss = _loss(model, ids)
+                (loss / len(step)).backward()
+            else:
+                with accelerator.accumulate(model):
+                    loss = _loss(model, ids)
+                    accelerator.backward(loss)
+            losses.append(loss.item())
+        if on_boundary is not None:
+            on_boundary(model)
+        _clip(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _accelerate_loop(rank, path):
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from shardnorm.integrations.transformers import bind_accumulation, convert_model
+
+    g = torch.Generator().manual_seed(5)
+    batches = [[torch.randint(0, 64, (2, 9), generator=g) for _ in range(MICRO)] for _ in range(STEPS)]
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = _train(single, batches)
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
+    ours = convert_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto"),
+                         accelerator=accelerator)
+    bind_accumulation(ours, accelerator)
+    first_step = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for ids in batches[0]:
+        (_loss(first_step, ids) / MICRO).backward()
+    first_grads = _norm_grads(first_step)
+
+    at_first_boundary = {}
+
+    def record(model):  # right after the step's last backward: what clipping is about to read
+        at_first_boundary.setdefault(id(model), _norm_grads(model))
+
+    losses = _train(ours, batches, accelerator, record)
+    stock_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    stock = _train(stock_model, batches, accelerator, record)
+    for n, expected in first_grads.items():
+        err = _rel(at_first_boundary[id(ours)][n], expected)
+        assert err <= TOL, f"rank {rank} {n}: grad not final when the last backward returned (rel err {err:.1e})"
+    assert max(_rel(at_first_boundary[id(stock_model)][n], first_grads[n]) for n in first_grads) > 1e-2
+    for i, (x, y) in enumerate(zip(losses, reference)):
+        assert abs(x - y) <= LOSS_TOL * y, f"rank {rank} micro-batch {i}: loss {x} vs single-process {y}"
+    if rank == 0:
+        drift = max(abs(x - y) / y for x, y in zip(stock, reference))
+        print(f"accelerate loop (stock's largest loss drift {drift:.1e}) losses per micro-batch: single {[round(v, 6) for v in reference]}\n"
+              f" shardnorm {[round(v, 6) for v in losses]}\n stock {[round(v, 6) for v in stock]}")
+
+
 def _body(rank, world, root):
     from transformers import AutoModelForCausalLM
 
@@ -130,6 +210,7 @@ def _body(rank, world, root):
             print(f"\nnorm-grad all-reduces per step: stock {stock_count.calls}, shardnorm {counter.calls}; "
                   f"q_norm rel err vs G1+G2: stock {_rel(stock_grads[qk[0]], expected[qk[0]]):.3f}, "
                   f"shardnorm {_rel(ours_grads[qk[0]], expected[qk[0]]):.1e}")
+    _accelerate_loop(rank, f"{root}/qwen3_0")
 
 
 @pytest.mark.distributed

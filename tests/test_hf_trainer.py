@@ -1,12 +1,16 @@
 """`shardnorm.integrations.transformers.enable(trainer)` in real `transformers.Trainer` runs, 2 ranks on gloo.
 
-- tp_plan: a tiny Qwen3 loaded with `tp_plan="auto"`, gradient_accumulation_steps=2, grad clipping on. With
-  `enable` the losses match the exact reference (the same samples as one micro-batch of 4, where stock's
-  per-micro-batch all-reduce is right) and the reducer issues one norm-grad all-reduce per step; stock with 2
-  micro-batches drifts away (its q/k-norm grads are 2*G1 + G2).
 - DeepSpeed: ZeRO-2 and ZeRO-3 (model built under `zero.Init`) configs carrying a "shardnorm" section, the
   Trainer calling `deepspeed.initialize` itself: the section takes effect (norms converted; zero-centered
   under ZeRO-3) and the losses match the plain (DDP, torch norms) Trainer run.
+- FSDP2 on the converted model, wrapped where Accelerate's own FSDP2 auto-wrap policy says
+  (`fsdp2_prepare_auto_wrap_policy` with a real `FullyShardedDataParallelPlugin`: by the model's
+  `_no_split_modules`, and by `transformer_cls_names_to_wrap`): losses match a single process. (Accelerate 1.15
+  runs FSDP only on GPUs, so on CPU its policy is applied with `fully_shard` here; benchmarks/gpu_hf_tp_plan.py
+  runs the Trainer's FSDP2 path on 2 GPUs.)
+All Trainer runs: gradient_accumulation_steps=2, 5 steps, clipping at 1.0; one spawn for everything. A tp_plan
+model cannot go through the Trainer on CPU either (Accelerate allows its ParallelismConfig only on GPUs,
+DeepSpeed or FSDP2): tests/test_hf_tp_plan.py covers it with an Accelerate loop.
 """
 
 import os
@@ -91,12 +95,63 @@ def _close(a, b, what):
         assert abs(x - y) <= TOL * abs(y), f"{what}: step {step} loss {x} vs {y}"
 
 
+def _accelerate_fsdp2_policy(model, wrap_names):
+    """The modules Accelerate's FSDP2 path would `fully_shard` on its own (before the root)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=wrap_names)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    return [m for m in model.modules() if policy(m)]
+
+
+def _fsdp2_with_accelerate_policy(rank, world, path):
+    """Converted model, FSDP2 where Accelerate's auto-wrap policy points (the model's `_no_split_modules`, or
+    `transformer_cls_names_to_wrap`: the same layers), vs one process on both ranks' data; 3 steps."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import shardnorm
+
+    g = torch.Generator().manual_seed(11)
+    batches = [[torch.randint(0, 64, (2 * world, SEQ), generator=g) for _ in range(GAS)] for _ in range(3)]
+    model = shardnorm.convert(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))[0]
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    wrapped = _accelerate_fsdp2_policy(model, None)
+    assert len(wrapped) == 2 and wrapped == _accelerate_fsdp2_policy(model, ["Qwen3DecoderLayer"]), wrapped
+    for m in wrapped:
+        fully_shard(m)
+    fully_shard(model)
+
+    def train(m, shard):
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+        losses = []
+        for step in batches:
+            for ids in step:
+                ids = ids.chunk(world)[rank] if shard else ids
+                loss = m(input_ids=ids, labels=ids).loss
+                (loss / GAS).backward()
+                losses.append(loss.detach())
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    expected = [x.item() for x in train(single, False)]
+    got = train(model, True)
+    for x in got:
+        dist.all_reduce(x)
+    for i, (x, y) in enumerate(zip(got, expected)):
+        assert abs(x.item() / world - y) <= TOL * y, f"FSDP2 micro-batch {i}: {x.item() / world} vs {y}"
+
+
 def _ds_config(stage, section):
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "shardnorm": section}
 
 
-def _ds_body(rank, world, root):
+def _runs_body(rank, world, root):
     from transformers import AutoModelForCausalLM
 
     import shardnorm
@@ -109,22 +164,23 @@ def _ds_body(rank, world, root):
     dist.barrier()
     data = _Tokens(2 * GAS * STEPS, seed=9)
 
-    def run(ds_config):
-        args = _args(f"{root}/out", 2, GAS, deepspeed=ds_config) if ds_config else _args(f"{root}/out", 2, GAS)
+    def run(engine, use_shardnorm=True, **kwargs):
+        args = _args(f"{root}/out", 2, GAS, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # under zero.Init for ZeRO-3
         trainer = Trainer(model=model, args=args, train_dataset=data)
-        if ds_config:
+        if use_shardnorm:
             enable(trainer)
         norms = [m for m in trainer.model.modules() if isinstance(m, shardnorm.RMSNorm)]
         trainer.train()
-        engine = type(trainer.model_wrapped).__name__
-        assert engine == ("DeepSpeedEngine" if ds_config else "DistributedDataParallel"), engine
+        wrapped = trainer.model_wrapped
+        assert type(wrapped).__name__ == engine or engine in type(wrapped).__mro__[1].__name__, type(wrapped)
         return trainer, norms, _losses(trainer)
 
-    _, _, plain = run(None)
+    _, _, plain = run("DistributedDataParallel", use_shardnorm=False)
+    _fsdp2_with_accelerate_policy(rank, world, path)
     results = {}
     for stage, section in ((2, {"replace": ["*RMSNorm"]}), (3, {"zero_centered_gamma": True})):
-        trainer, norms, losses = run(_ds_config(stage, section))
+        trainer, norms, losses = run("DeepSpeedEngine", deepspeed=_ds_config(stage, section))
         assert len(norms) == 9 and all(m.zero_centered_gamma == (stage == 3) for m in norms), stage
         if stage == 3:
             assert all(hasattr(m.weight, "ds_id") for m in norms), "model not built under zero.Init"
@@ -135,5 +191,5 @@ def _ds_body(rank, world, root):
 
 
 @pytest.mark.distributed
-def test_trainer_deepspeed_section(tmp_path):
-    spawn(_ds_body, 2, str(tmp_path))
+def test_trainer_deepspeed_section_and_fsdp(tmp_path):
+    spawn(_runs_body, 2, str(tmp_path))
