@@ -3,7 +3,9 @@
 transformers' `replicated_with_grad_allreduce` style (Qwen3's q_norm/k_norm) all-reduces `.grad` after every
 micro-batch, so its grad is 2*G1 + G2; after `shardnorm.integrations.transformers.convert_model` every norm
 grad is the single-process G1 + G2 (<= 1e-5 rel) on every rank, with one reducer all-reduce per step where
-stock issues one per q/k norm per micro-batch. One spawn runs two model shapes (head_dim 12 and 20), then
+stock issues one per q/k norm per micro-batch. One spawn runs two model shapes (head_dim 12 with transformers'
+style names, head_dim 20 with shardnorm's registered style named in the plan), a plan style on a norm that
+shardnorm cannot honour (a clear error), then
 an Accelerate loop (`accelerator.accumulate`, gradient_accumulation_steps=2, clipping, AdamW, 5 steps) with
 `bind_accumulation`: the norm grads are final when the last micro-batch's backward returns (before clipping
 reads them) and the losses follow the single-process run; stock's drift.
@@ -159,8 +161,10 @@ def _accelerate_loop(rank, path):
 def _body(rank, world, root):
     from transformers import AutoModelForCausalLM
 
-    from shardnorm.integrations.transformers import convert_model
+    from transformers import DistributedConfig
+
     import shardnorm
+    from shardnorm.integrations.transformers import REPLICATED_NORM_STYLE, convert_model
 
     for i, shape in enumerate(SHAPES):
         path = f"{root}/qwen3_{i}"
@@ -182,7 +186,14 @@ def _body(rank, world, root):
                 _loss(stock, ids).backward()
         stock_grads = _norm_grads(stock)
 
-        ours = convert_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto"))
+        if i == 0:  # transformers' own style names, taken over by convert_model
+            ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+        else:  # shardnorm's registered style, named in the plan
+            ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(
+                tp_plan={f"model.layers.*.self_attn.{n}": REPLICATED_NORM_STYLE for n in ("q_norm", "k_norm")}))
+            with pytest.raises(RuntimeError, match=f"{REPLICATED_NORM_STYLE}.*convert_model"):
+                _loss(ours, batches[0])
+        ours = convert_model(ours)
         counter = _AllReduceCounter()
         with counter.counting():
             with shardnorm.accumulate(ours):
@@ -210,9 +221,22 @@ def _body(rank, world, root):
             print(f"\nnorm-grad all-reduces per step: stock {stock_count.calls}, shardnorm {counter.calls}; "
                   f"q_norm rel err vs G1+G2: stock {_rel(stock_grads[qk[0]], expected[qk[0]]):.3f}, "
                   f"shardnorm {_rel(ours_grads[qk[0]], expected[qk[0]]):.1e}")
+    # a style shardnorm cannot honour on a norm: an error naming the module and the style
+    odd = AutoModelForCausalLM.from_pretrained(f"{root}/qwen3_0", dtype=torch.float32,
+                                               distributed_config=DistributedConfig(tp_plan={"model.norm": "all_reduce"}))
+    with pytest.raises(ValueError, match="'all_reduce' on norm 'model.norm'"):
+        convert_model(odd)
     _accelerate_loop(rank, f"{root}/qwen3_0")
 
 
 @pytest.mark.distributed
 def test_tp_plan_qwen3_norm_grads_two_micro_batches(tmp_path):
     spawn(_body, 2, str(tmp_path))
+
+
+def test_unknown_transformers_version_is_named():
+    from shardnorm.integrations import transformers as adapter
+
+    with pytest.raises(ImportError, match=r"transformers==4\.57\.1"):
+        adapter._check_version("4.57.1")
+    adapter._check_version(transformers.__version__)

@@ -196,12 +196,17 @@ def convert_model(model: nn.Module, *, accelerator=None, deepspeed_config: dict 
       styles) become shardnorm norms whose grads go to one reducer (fp32 buckets, once per optimizer step);
       use `bind_accumulation` (or `shardnorm.accumulate` / `finalize_grads` in your own loop).
     """
+    return _convert(model, accelerator, deepspeed_config, bucket_cap_mb)[0]
+
+
+def _convert(model, accelerator, deepspeed_config, bucket_cap_mb) -> tuple[nn.Module, int]:
+    """convert_model, also returning how many norms took a tensor-parallel mode."""
     if deepspeed_config is None and accelerator is not None:
         deepspeed_config = deepspeed_config_of(accelerator)
     tp_norms = _take_tp_norms(model)
     model = _convert_norms(model, deepspeed_config)
     if not tp_norms:
-        return model
+        return model, 0
     mesh = _tp_mesh(model)
     for name, kind in tp_norms.items():
         module = model.get_submodule(name)
@@ -210,7 +215,7 @@ def convert_model(model: nn.Module, *, accelerator=None, deepspeed_config: dict 
                              f"needs shardnorm's norm to honour its tensor-parallel style")
         _apply_norm_mode(module, kind, mesh)
     attach_reducer(model, bucket_cap_mb=bucket_cap_mb)
-    return model
+    return model, len(tp_norms)
 
 
 # ---- accumulation ----------------------------------------------------------------------------------------
@@ -247,7 +252,7 @@ class ShardnormCallback(TrainerCallback):
         self.collectives_per_step = self.reducer.num_buckets
 
 
-def enable(trainer) -> nn.Module:
+def enable(trainer, *, bucket_cap_mb: float = 1.0) -> nn.Module:
     """The one line for a `transformers.Trainer` run: call after building the Trainer, before `train()`.
 
     Converts `trainer.model` (honouring the DeepSpeed "shardnorm" section when the run uses DeepSpeed:
@@ -257,17 +262,11 @@ def enable(trainer) -> nn.Module:
     if getattr(trainer, "_shardnorm_enabled", False):
         return trainer.model
     if trainer.model_wrapped is not trainer.model:
-        raise RuntimeError("shardnorm: enable(trainer) must run before train() wraps the model")
-    had_tp_norms = bool(_take_tp_norms_preview(trainer.model))
-    model = convert_model(trainer.model, accelerator=trainer.accelerator)
-    if had_tp_norms:
+        raise RuntimeError("shardnorm: enable(trainer) must run before train() wraps the model "
+                           f"(trainer.model_wrapped is a {type(trainer.model_wrapped).__name__})")
+    model, tp_norms = _convert(trainer.model, trainer.accelerator, None, bucket_cap_mb)
+    if tp_norms:
         bind_accumulation(model, trainer.accelerator)
         trainer.add_callback(ShardnormCallback(model))
     trainer._shardnorm_enabled = True
     return model
-
-
-def _take_tp_norms_preview(model: nn.Module) -> bool:
-    plan = getattr(model, "tp_plan", None) or {}
-    return (getattr(model, "_tp_size", None) or 1) > 1 and any(
-        plan.get(_wildcard(n)) in KIND_OF_STYLE for n, m in model.named_modules() if _is_norm(m))
