@@ -36,9 +36,6 @@ KNOWN_TRANSFORMERS = ((5, 17), (5, 23))  # the versions whose tensor-parallel st
 
 REPLICATED_NORM_STYLE = "shardnorm_replicated_norm"
 SEQUENCE_PARALLEL_NORM_STYLE = "shardnorm_sequence_parallel_norm"
-# transformers' norm styles and the shardnorm style that replaces each
-STOCK_NORM_STYLES = {"replicated_with_grad_allreduce": REPLICATED_NORM_STYLE,
-                     "sequence_parallel": SEQUENCE_PARALLEL_NORM_STYLE}
 
 
 def _check_version(version: str = transformers.__version__) -> None:
@@ -56,20 +53,16 @@ _check_version()
 
 
 class _ShardnormNormStyle(TensorParallelLayer):
-    """Marks a norm for shardnorm at load time; `convert_model` swaps it and applies the shardnorm mode.
+    """A plan entry that `convert_model` honours: it swaps the norm for shardnorm's and applies the mode.
 
-    `from_pretrained` installs styles on the model's own norm classes, before the weights load, so the
-    swap waits for `convert_model`. Running the model before that raises instead of computing grads that
-    no one reduces.
+    `from_pretrained` installs styles on the model's own norm modules before the weights load, so at that
+    point the style only guards the forward: running the model before `convert_model` raises instead of
+    computing grads that no one reduces.
     """
 
     kind = ""
 
     def install_forward(self, module, mesh):
-        if isinstance(module, (LayerNorm, RMSNorm)):  # already shardnorm's: apply the mode now
-            return _apply_norm_mode(module, self.kind, mesh)
-        module._shardnorm_tp_style = self.kind
-
         def not_converted(*args, **kwargs):
             raise RuntimeError(f"shardnorm: this {type(module).__name__} carries the tensor-parallel style "
                                f"{STYLE_OF_KIND[self.kind]!r}; call shardnorm.integrations.transformers."
@@ -94,6 +87,7 @@ class ShardnormSequenceParallelNorm(_ShardnormNormStyle):
 
 
 STYLE_OF_KIND = {"replicated": REPLICATED_NORM_STYLE, "sequence_parallel": SEQUENCE_PARALLEL_NORM_STYLE}
+# the norm styles convert_model takes over: transformers' own and shardnorm's
 KIND_OF_STYLE = {"replicated_with_grad_allreduce": "replicated", "sequence_parallel": "sequence_parallel",
                  REPLICATED_NORM_STYLE: "replicated", SEQUENCE_PARALLEL_NORM_STYLE: "sequence_parallel"}
 
@@ -153,8 +147,6 @@ def _take_tp_norms(model: nn.Module) -> dict:
         if kind is None:
             raise ValueError(f"shardnorm: tp_plan style {style!r} on norm {name!r} is not one shardnorm can honour; "
                              f"norms take one of {sorted(KIND_OF_STYLE)}")
-        if isinstance(module, (LayerNorm, RMSNorm)):
-            continue  # installed by a shardnorm style already
         for pname, param in module.named_parameters(recurse=False):
             if getattr(param, "_post_accumulate_grad_hooks", None):
                 raise RuntimeError(f"shardnorm: {name}.{pname} already has transformers' per-micro-batch grad "
@@ -162,8 +154,7 @@ def _take_tp_norms(model: nn.Module) -> dict:
                                    f"from_pretrained")
             if isinstance(param, torch.distributed.tensor.DTensor):  # transformers' sequence_parallel replicates
                 module.register_parameter(pname, nn.Parameter(param.to_local(), requires_grad=param.requires_grad))
-        module.__dict__.pop("forward", None)  # transformers' per-instance wrapper
-        module.__dict__.pop("_shardnorm_tp_style", None)
+        module.__dict__.pop("forward", None)  # the style's per-instance wrapper
         taken[name] = kind
     return taken
 
