@@ -125,6 +125,8 @@ def _tp_mesh(model: nn.Module):
     mesh = getattr(model, "_device_mesh", None)
     if mesh is not None and mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names:
         return mesh["tp"]
+    if mesh is not None and mesh.ndim == 1:  # older transformers: the tp mesh itself
+        return mesh
     raise ValueError(f"shardnorm: {type(model).__name__} has tensor-parallel styles but no 'tp' device mesh "
                      f"(transformers=={transformers.__version__})")
 
@@ -132,7 +134,7 @@ def _tp_mesh(model: nn.Module):
 def _take_tp_norms(model: nn.Module) -> dict:
     """{module name: kind} of the norms that carry a tensor-parallel norm style, with transformers'
     wrappers taken off so `convert` sees a plain norm. Any other style on a norm raises (naming it)."""
-    plan = getattr(model, "tp_plan", None) or {}
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
     if not plan or (getattr(model, "_tp_size", None) or 1) <= 1:
         return {}
     if (getattr(model, "_fsdp_size", None) or 1) > 1:
@@ -155,6 +157,8 @@ def _take_tp_norms(model: nn.Module) -> dict:
             if isinstance(param, torch.distributed.tensor.DTensor):  # transformers' sequence_parallel replicates
                 module.register_parameter(pname, nn.Parameter(param.to_local(), requires_grad=param.requires_grad))
         module.__dict__.pop("forward", None)  # the style's per-instance wrapper
+        # older transformers (5.17-5.2x) all-reduce these grads from a module backward hook instead
+        module._backward_hooks.clear()
         taken[name] = kind
     return taken
 
