@@ -1,0 +1,242 @@
+"""A tiny Qwen3 loaded with `from_pretrained(path, tp_plan="auto")` on 2 ranks: norm grads over 2 micro-batches.
+
+transformers' `replicated_with_grad_allreduce` style (Qwen3's q_norm/k_norm) all-reduces `.grad` after every
+micro-batch, so its grad is 2*G1 + G2; after `shardnorm.integrations.transformers.convert_model` every norm
+grad is the single-process G1 + G2 (<= 1e-5 rel) on every rank, with one reducer all-reduce per step where
+stock issues one per q/k norm per micro-batch. One spawn runs two model shapes (head_dim 12 with transformers'
+style names, head_dim 20 with shardnorm's registered style named in the plan), a plan style on a norm that
+shardnorm cannot honour (a clear error), then
+an Accelerate loop (`accelerator.accumulate`, gradient_accumulation_steps=2, clipping, AdamW, 5 steps) with
+`bind_accumulation`: the norm grads are final when the last micro-batch's backward returns (before clipping
+reads them) and the losses follow the single-process run; stock's drift.
+(transformers.Trainer itself refuses a tp_plan model on CPU: Accelerate allows a ParallelismConfig only on
+GPU devices, DeepSpeed or FSDP2; `benchmarks/gpu_hf_tp_plan.py` runs the Trainer with `enable` on 2 GPUs.)
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiprocess import spawn
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+LOSS_TOL = 1e-5
+MICRO = 2
+# (hidden, heads, kv heads, head_dim): hidden sizes and head dims that are not powers of two
+SHAPES = [(48, 4, 2, 12), (40, 2, 2, 20)]
+
+
+def _save_tiny_qwen3(path, hidden, heads, kv_heads, head_dim, seed):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # fresh norm weights: a grad scaled by a weight of 1 would hide a scale bug
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+
+
+def _batches(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (2, 9), generator=g) for _ in range(MICRO)]
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _norm_grads(model):
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for n, p in model.named_parameters() if "norm" in n}
+
+
+class _AllReduceCounter:
+    """Counts `torch.distributed.all_reduce` calls (what the stock hook and shardnorm's reducer issue)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        original = dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        dist.all_reduce = counted
+        try:
+            yield self
+        finally:
+            dist.all_reduce = original
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _clip(model, max_norm):
+    """Clip by the global grad norm; grads are DTensors (sharded linears) and plain tensors (norms)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.stack([(g.full_tensor() if hasattr(g, "full_tensor") else g).norm() for g in grads]).norm()
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+STEPS = 5
+
+
+def _train(model, batches, accelerator=None, on_boundary=None):
+    """AdamW, 2 micro-batches per step, clipping at 1.0; with `accelerator`, micro-batches run under
+    `accelerator.accumulate` (which sets sync_gradients) and `accelerator.backward`. Returns the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in batches:
+        for ids in step:
+            if accelerator is None:
+                loss = _loss(model, ids)
+                (loss / len(step)).backward()
+            else:
+                with accelerator.accumulate(model):
+                    loss = _loss(model, ids)
+                    accelerator.backward(loss)
+            losses.append(loss.item())
+        if on_boundary is not None:
+            on_boundary(model)
+        _clip(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _accelerate_loop(rank, path):
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from shardnorm.integrations.transformers import bind_accumulation, convert_model
+
+    g = torch.Generator().manual_seed(5)
+    batches = [[torch.randint(0, 64, (2, 9), generator=g) for _ in range(MICRO)] for _ in range(STEPS)]
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = _train(single, batches)
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
+    ours = convert_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto"),
+                         accelerator=accelerator)
+    bind_accumulation(ours, accelerator)
+    first_step = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for ids in batches[0]:
+        (_loss(first_step, ids) / MICRO).backward()
+    first_grads = _norm_grads(first_step)
+
+    at_first_boundary = {}
+
+    def record(model):  # right after the step's last backward: what clipping is about to read
+        at_first_boundary.setdefault(id(model), _norm_grads(model))
+
+    losses = _train(ours, batches, accelerator, record)
+    stock_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    stock = _train(stock_model, batches, accelerator, record)
+    for n, expected in first_grads.items():
+        err = _rel(at_first_boundary[id(ours)][n], expected)
+        assert err <= TOL, f"rank {rank} {n}: grad not final when the last backward returned (rel err {err:.1e})"
+    assert max(_rel(at_first_boundary[id(stock_model)][n], first_grads[n]) for n in first_grads) > 1e-2
+    for i, (x, y) in enumerate(zip(losses, reference)):
+        assert abs(x - y) <= LOSS_TOL * y, f"rank {rank} micro-batch {i}: loss {x} vs single-process {y}"
+    if rank == 0:
+        drift = max(abs(x - y) / y for x, y in zip(stock, reference))
+        print(f"accelerate loop (stock's largest loss drift {drift:.1e}) losses per micro-batch: single {[round(v, 6) for v in reference]}\n"
+              f" shardnorm {[round(v, 6) for v in losses]}\n stock {[round(v, 6) for v in stock]}")
+
+
+def _body(rank, world, root):
+    from transformers import AutoModelForCausalLM
+
+    from transformers import DistributedConfig
+
+    import shardnorm
+    from shardnorm.integrations.transformers import REPLICATED_NORM_STYLE, convert_model
+
+    for i, shape in enumerate(SHAPES):
+        path = f"{root}/qwen3_{i}"
+        if rank == 0:
+            _save_tiny_qwen3(path, *shape, seed=10 + i)
+        dist.barrier()
+        batches = _batches(100 + i)
+
+        single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        _loss(single, batches[0]).backward()
+        g1 = _norm_grads(single)
+        _loss(single, batches[1]).backward()
+        expected = _norm_grads(single)  # G1 + G2
+
+        stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+        stock_count = _AllReduceCounter()
+        with stock_count.counting():
+            for ids in batches:
+                _loss(stock, ids).backward()
+        stock_grads = _norm_grads(stock)
+
+        if i == 0:  # transformers' own style names, taken over by convert_model
+            ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+        else:  # shardnorm's registered style, named in the plan
+            ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(
+                tp_plan={f"model.layers.*.self_attn.{n}": REPLICATED_NORM_STYLE for n in ("q_norm", "k_norm")}))
+            with pytest.raises(RuntimeError, match=f"{REPLICATED_NORM_STYLE}.*convert_model"):
+                _loss(ours, batches[0])
+        ours = convert_model(ours)
+        counter = _AllReduceCounter()
+        with counter.counting():
+            with shardnorm.accumulate(ours):
+                _loss(ours, batches[0]).backward()
+            assert counter.calls == 0, "the reducer reduced inside accumulate()"
+            _loss(ours, batches[1]).backward()
+            shardnorm.finalize_grads(ours)  # a no-op: the last backward reduced already
+        ours_grads = _norm_grads(ours)
+
+        qk = [n for n in expected if "q_norm" in n or "k_norm" in n]
+        assert len(qk) == 4 and len(expected) == 9, sorted(expected)
+        converted = [n for n, m in ours.named_modules() if isinstance(m, shardnorm.RMSNorm)]
+        assert len(converted) == 9, converted
+        for n in expected:
+            err = _rel(ours_grads[n], expected[n])
+            assert err <= TOL, f"shape {shape} rank {rank} {n}: shardnorm grad rel err {err:.2e}"
+        for n in qk:  # stock is wrong exactly as the issue says: 2*G1 + G2
+            assert _rel(stock_grads[n], expected[n]) > 1e-2, f"{n}: stock HF unexpectedly right"
+            err = _rel(stock_grads[n], expected[n] + g1[n])
+            assert err <= TOL, f"shape {shape} rank {rank} {n}: stock is not 2*G1 + G2 (rel err {err:.2e})"
+        # collectives for the norm grads: stock one per q/k norm per micro-batch, shardnorm one per step
+        assert stock_count.calls == len(qk) * MICRO, stock_count.calls
+        assert counter.calls == 1 and shardnorm.distributed.reducer_of(ours).num_buckets == 1, counter.calls
+        if rank == 0 and i == 0:
+            print(f"\nnorm-grad all-reduces per step: stock {stock_count.calls}, shardnorm {counter.calls}; "
+                  f"q_norm rel err vs G1+G2: stock {_rel(stock_grads[qk[0]], expected[qk[0]]):.3f}, "
+                  f"shardnorm {_rel(ours_grads[qk[0]], expected[qk[0]]):.1e}")
+    # a style shardnorm cannot honour on a norm: an error naming the module and the style
+    odd = AutoModelForCausalLM.from_pretrained(f"{root}/qwen3_0", dtype=torch.float32,
+                                               distributed_config=DistributedConfig(tp_plan={"model.norm": "all_reduce"}))
+    with pytest.raises(ValueError, match="'all_reduce' on norm 'model.norm'"):
+        convert_model(odd)
+    _accelerate_loop(rank, f"{root}/qwen3_0")
+
+
+@pytest.mark.distributed
+def test_tp_plan_qwen3_norm_grads_two_micro_batches(tmp_path):
+    spawn(_body, 2, str(tmp_path))
+
+
+def test_unknown_transformers_version_is_named():
+    from shardnorm.integrations import transformers as adapter
+
+    with pytest.raises(ImportError, match=r"transformers==4\.57\.1"):
+        adapter._check_version("4.57.1")
+    adapter._check_version(transformers.__version__)
