@@ -1,0 +1,1 @@
+"""Thin adapters that bring shardnorm into the trainers people run (torchtitan, Lightning, ...)."""
