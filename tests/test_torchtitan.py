@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -61,34 +60,15 @@ def test_converter_refuses_a_model_without_rmsnorm():
         ShardnormConverter.Config().build().convert(Linear.Config(in_features=4, out_features=4))
 
 
-def _assets(tmp_path):
-    """The smallest tokenizer and c4_test-style dataset torchtitan's HuggingFace loaders accept."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "norm", "shard", "grad", "token", "layer", "mesh", "rank", "step"]
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 120))) for _ in range(64)]
-    (tmp_path / "tokenizer").mkdir()
-    (tmp_path / "c4_test").mkdir()
-    (tmp_path / "c4_test" / "data.json").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(lines, trainers.WordLevelTrainer(
-        special_tokens=["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]))
-    tok.save(str(tmp_path / "tokenizer" / "tokenizer.json"))
-    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
-
-
 def _train(tmp_path, config: str, steps: int) -> dict:
     out = tmp_path / f"{config}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "tests.torchtitan_cpu", str(out), "--module", "tests.torchtitan_cpu", "--config", config,
+           "-m", "tests.torchtitan_runner", str(out), "--module", "tests.torchtitan_runner", "--config", config,
            "--hf_assets_path", str(tmp_path / "tokenizer"), "--dataloader.dataset_path", str(tmp_path / "c4_test"),
            "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
            "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
            "--parallelism.tensor_parallel_degree", "2", "--debug.seed", "7",
-           "--override.imports", "tests.torchtitan_cpu.sdpa_on_cpu", "--dump_folder", str(tmp_path / "out")]
+           "--override.imports", "tests.torchtitan_runner.sdpa_on_cpu", "--dump_folder", str(tmp_path / "out")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -100,7 +80,9 @@ def test_torchtitan_trainer_tp2_accumulation_matches_stock(tmp_path):
     """torchtitan's trainer, llama3 debug model, tp=2 with sequence parallelism, 2 micro-batches per step:
     shardnorm's losses equal stock torchtitan's (fp32 params), and the norm grads take one reducer
     all-reduce per step where stock takes one per norm parameter per micro-batch."""
-    _assets(tmp_path)
+    from tests.torchtitan_runner import make_assets
+
+    make_assets(tmp_path)
     steps, micro_batches = 3, 2
     stock = _train(tmp_path, "stock_debugmodel", steps)
     ours = _train(tmp_path, "shardnorm_debugmodel", steps)

@@ -1,4 +1,6 @@
-"""Run torchtitan 0.3's own trainer (`torchtitan.train.main`) on CPU with gloo, for tests/test_torchtitan.py.
+"""Run torchtitan 0.3's own trainer (`torchtitan.train.main`), stock or with shardnorm, and record per step
+the loss and the all-reduces of forward + backward: on CPU with gloo for tests/test_torchtitan.py, on
+GPUs with NCCL for benchmarks/gpu_torchtitan.sh (TORCHTITAN_RUNNER_DEVICE=cuda).
 
 torchtitan 0.3 cannot start on a machine without an accelerator: `torchtitan.tools.utils` picks
 "cuda" when `torch._utils._get_available_device_type()` finds none, and `Trainer.__init__` then
@@ -11,9 +13,9 @@ stock and the shardnorm run. Its default `spmd_backend="spmd_types"` fails in `f
 CPU gloo run ("When dp_mesh_dims is provided, all parameters must be DTensors"), so both runs use
 `partial_dtensor`, which shardnorm's adapter needs anyway. torchtitan 0.3 also calls
 `torch.distributed.set_timeout` after the first step, which torch 2.13 does not have (only the
-private `distributed_c10d._set_pg_timeout`): `use_cpu()` aliases it.
+private `distributed_c10d._set_pg_timeout`): `alias_set_timeout()` aliases it.
 
-Usage: torchrun --nproc_per_node 2 -m tests.torchtitan_cpu OUT_JSON --module tests.torchtitan_cpu
+Usage: torchrun --nproc_per_node 2 -m tests.torchtitan_runner OUT_JSON --module tests.torchtitan_runner
 --config stock_debugmodel|shardnorm_debugmodel [torchtitan CLI ...]
 """
 
@@ -59,11 +61,18 @@ class _CPUDevice(types.ModuleType):
         pass
 
 
-def use_cpu() -> None:
-    if not hasattr(torch.distributed, "set_timeout"):  # torchtitan 0.3 calls it after step 1; torch 2.13 has
-        from torch.distributed.distributed_c10d import _set_pg_timeout  # only the private one
+def alias_set_timeout() -> bool:
+    """torchtitan 0.3 calls `torch.distributed.set_timeout` after step 1; torch 2.11 / 2.13 have only the
+    private `_set_pg_timeout`. Returns whether the alias was needed."""
+    if hasattr(torch.distributed, "set_timeout"):
+        return False
+    from torch.distributed.distributed_c10d import _set_pg_timeout
 
-        torch.distributed.set_timeout = _set_pg_timeout
+    torch.distributed.set_timeout = _set_pg_timeout
+    return True
+
+
+def use_cpu() -> None:
     device = _CPUDevice("torchtitan_cpu_device")
     for name in ("torchtitan.tools.utils", "torchtitan.components.metrics", "torchtitan.distributed.utils",
                  "torchtitan.distributed.parallel_dims", "torchtitan.tools.profiler"):
@@ -79,7 +88,31 @@ def sdpa_on_cpu(cfg):
     return derive(cfg, ScaledDotProductAttention.Config)
 
 
-def _cpu(config):
+def make_assets(path) -> None:
+    """The smallest tokenizer and c4_test-style dataset torchtitan's HuggingFace loaders accept (the wheel
+    ships neither): path/tokenizer, path/c4_test."""
+    import random
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    path = Path(path)
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "norm", "shard", "grad", "token", "layer", "mesh", "rank", "step"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 120))) for _ in range(256)]
+    (path / "tokenizer").mkdir(parents=True, exist_ok=True)
+    (path / "c4_test").mkdir(parents=True, exist_ok=True)
+    (path / "c4_test" / "data.json").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(lines, trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]))
+    tok.save(str(path / "tokenizer" / "tokenizer.json"))
+    (path / "tokenizer" / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+
+
+def _runnable(config):
     config.parallelism.spmd_backend = "partial_dtensor"
     config.activation_checkpoint = None
     config.validator.enable = False
@@ -89,23 +122,25 @@ def _cpu(config):
 
 
 def stock_debugmodel():
-    return _cpu(llama3_debugmodel())
+    return _runnable(llama3_debugmodel())
 
 
 def shardnorm_debugmodel():
     from shardnorm.integrations.torchtitan import with_shardnorm
 
-    return _cpu(with_shardnorm(llama3_debugmodel()))
+    return _runnable(with_shardnorm(llama3_debugmodel()))
 
 
 def main(out_path: str) -> None:
     """Run torchtitan's trainer; record per step the loss and the all-reduces of forward + backward."""
-    use_cpu()
+    record_extra = {"set_timeout_aliased": alias_set_timeout()}
+    if os.environ.get("TORCHTITAN_RUNNER_DEVICE", "cpu") == "cpu":
+        use_cpu()
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.trainer import Trainer
     from torchtitan import train
 
-    record = {"loss": [], "fwd_bwd_all_reduces": [], "reducer_collectives": []}
+    record = {"loss": [], "fwd_bwd_all_reduces": [], "reducer_collectives": [], **record_extra}
     fwd_bwd, log = Trainer.forward_backward_step, MetricsProcessor.log
     step_counts: list[int] = []
 
@@ -132,4 +167,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     out, sys.argv = sys.argv[1], [sys.argv[0]] + sys.argv[2:]
-    importlib.import_module("tests.torchtitan_cpu").main(out)
+    importlib.import_module("tests.torchtitan_runner").main(out)
