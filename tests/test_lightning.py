@@ -56,7 +56,7 @@ def _fabric_body(rank, world_size, seed, dp, tp):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("dp,tp", [(1, 2)])  # dp=2 alone also passes (~30 s more); shard_model at dp=2: test_fsdp
 def test_fabric_model_parallel_accumulation_matches_one_process(dp, tp):
     """Fabric ModelParallelStrategy (gloo, 2 ranks), 2 micro-batches under fabric.no_backward_sync:
     every grad equals the single-process grad of the same global batch."""
