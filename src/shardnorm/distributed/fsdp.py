@@ -27,7 +27,8 @@ from shardnorm.modules import LayerNorm, RMSNorm
 NORM_CLASSES = (nn.LayerNorm, nn.RMSNorm)  # torch's and shardnorm's (which subclass them)
 SHARDNORM_CLASSES = (LayerNorm, RMSNorm)
 
-__all__ = ["FSDPNormGradReducer", "auto_wrap_policy", "find_block_classes", "load", "no_sync",
+__all__ = ["FSDPNormGradReducer", "auto_wrap_policy", "find_block_classes", "install_norm_grad_reducer",
+           "load", "no_sync",
            "norm_mixed_precision", "pending_grads", "save", "shard_model"]
 
 
@@ -109,14 +110,63 @@ def norm_mixed_precision(param_dtype: torch.dtype = torch.bfloat16,
 
 # ---- FSDP2 ---------------------------------------------------------------------------------------------
 
-def _dp_tp_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
-    if mesh.ndim == 1:
-        return mesh, None
+DimNames = str | tuple[str, ...] | list[str]
+
+
+def _names(setting: str, value: DimNames | None) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value or ())
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"shardnorm: {setting} must be a mesh dim name or a tuple of them, got {value!r}")
+    return names
+
+
+def _submesh(mesh: DeviceMesh, setting: str, names: tuple[str, ...]) -> DeviceMesh:
+    """`mesh[names]` (flattened dims such as torchtitan's "fsdp" included), or an error naming `setting`."""
+    try:
+        return mesh[names[0] if len(names) == 1 else names]
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise ValueError(f"shardnorm: {setting}={names if len(names) > 1 else names[0]!r} is not a dim of the "
+                         f"mesh (dims {mesh.mesh_dim_names}): {e}") from None
+
+
+def _dp_tp_meshes(mesh: DeviceMesh, dp_dims: DimNames | None = "dp", tp_dim: str | None = "tp",
+                  replicate_dim: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The mesh FSDP shards over (1-D, or 2-D replicate x shard for HSDP) and the tensor-parallel mesh.
+
+    A 1-D mesh is the data-parallel mesh whatever its name (today's behaviour). Several `dp_dims`
+    (e.g. torchtitan's ("dp_shard", "cp")) are flattened into one shard dim: FSDP then reduces the
+    norm grads over all of them, which is what context parallelism needs (each cp rank holds a partial
+    sum over its part of the sequence).
+    """
     names = mesh.mesh_dim_names or ()
-    if mesh.ndim == 2 and set(names) == {"dp", "tp"}:
-        return mesh["dp"], mesh["tp"]
-    raise ValueError(f"shardnorm: shard_model needs a 1-D data-parallel mesh or a 2-D mesh with dims "
-                     f"named ('dp', 'tp'), got {mesh}")
+    shard = _names("dp_dims", dp_dims)
+    if mesh.ndim == 1 and (not names or names[0] != tp_dim) and replicate_dim is None:
+        return mesh, None
+    if not shard:
+        raise ValueError(f"shardnorm: shard_model got no data-parallel dim (dp_dims={dp_dims!r}) for the mesh "
+                         f"with dims {names}; name the dim(s) FSDP shards over, e.g. dp_dims='dp_shard'")
+    if not names:
+        raise ValueError(f"shardnorm: shard_model needs a 1-D mesh or a mesh with named dims, got {mesh}")
+    if tp_dim is not None and tp_dim in shard + ((replicate_dim,) if replicate_dim else ()):
+        raise ValueError(f"shardnorm: tp_dim={tp_dim!r} is also a data-parallel dim (dp_dims={shard}, "
+                         f"replicate_dim={replicate_dim!r})")
+    shard_mesh = _submesh(mesh, "dp_dims", shard)
+    if len(shard) > 1:
+        shard_mesh = shard_mesh._flatten("_".join(shard))
+    dp_mesh = shard_mesh
+    if replicate_dim is not None:
+        _submesh(mesh, "replicate_dim", (replicate_dim,))
+        dp_mesh = mesh[(replicate_dim, shard[0])] if len(shard) == 1 else \
+            DeviceMesh._concatenate([mesh[replicate_dim], shard_mesh])
+    tp_mesh = None
+    if tp_dim is not None and (tp_dim in names or tp_dim != "tp"):
+        tp_mesh = _submesh(mesh, "tp_dim", (tp_dim,))
+    covered = set(shard) | {replicate_dim, tp_dim}
+    if mesh.ndim > 1 and not set(names) <= covered:
+        raise ValueError(f"shardnorm: mesh dims {[n for n in names if n not in covered]} are neither data-parallel "
+                         f"(dp_dims={shard}, replicate_dim={replicate_dim!r}) nor tensor-parallel "
+                         f"(tp_dim={tp_dim!r}); name them in one of these settings")
+    return dp_mesh, tp_mesh
 
 
 def _sequence_parallel(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> bool:
@@ -160,14 +210,18 @@ def _norm_guard(fqn: str, reducer: FSDPNormGradReducer | None, sequence_parallel
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None,
                 mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True, *,
-                bucket_cap_mb: float = 1.0) -> nn.Module:
+                bucket_cap_mb: float = 1.0, dp_dims: DimNames = "dp", tp_dim: str | None = "tp",
+                replicate_dim: str | None = None) -> nn.Module:
     """`fully_shard` each transformer block, then the root, over the dp mesh; after tensor parallelism.
 
-    `mesh`: 1-D (dp), or 2-D with dims ("dp", "tp") where norms were parallelized over mesh["tp"] (e.g.
-    `SequenceParallelNorm`). Then their grads are reduced over dp by FSDP and over tp by the model's
-    `FSDPNormGradReducer` (driven by `shardnorm.accumulate` / `finalize_grads` / `no_sync`). Returns `model`.
+    `mesh`: 1-D (dp), or named dims: `dp_dims` the dim(s) FSDP shards over (several, e.g. ("dp_shard",
+    "cp"), are flattened into one), `replicate_dim` HSDP's replicate dim, `tp_dim` the dim norms were
+    parallelized over (e.g. `SequenceParallelNorm`); defaults ("dp", "tp"); Lightning's are
+    dp_dims="data_parallel", tp_dim="tensor_parallel". Sequence-parallel norm grads are reduced over the
+    data dims by FSDP and over tp by the model's `FSDPNormGradReducer` (driven by `shardnorm.accumulate` /
+    `finalize_grads` / `no_sync`). Returns `model`.
     """
-    dp_mesh, tp_mesh = _dp_tp_meshes(mesh)
+    dp_mesh, tp_mesh = _dp_tp_meshes(mesh, dp_dims, tp_dim, replicate_dim)
     blocks = _checked_block_classes(model, block_classes)
     old = getattr(model, _REDUCER_ATTR, None)
     if old is not None and old.has_pending:
@@ -176,14 +230,26 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None,
     norms = [(fqn, m, any([_sequence_parallel(f"{fqn}.{n}", p, dp_mesh) for n, p in m.named_parameters()]))
              for fqn, m in model.named_modules() if isinstance(m, SHARDNORM_CLASSES)]
     if any(sp for *_, sp in norms) and (tp_mesh is None or tp_mesh.size() == 1):
-        raise ValueError("shardnorm: the model has sequence-parallel norms but shard_model got no tp mesh of "
-                         "size > 1; pass the 2-D ('dp', 'tp') mesh they were parallelized on")
+        raise ValueError(f"shardnorm: the model has sequence-parallel norms but shard_model got no tp mesh of "
+                         f"size > 1 (tp_dim={tp_dim!r}, mesh dims {mesh.mesh_dim_names}); pass the mesh they "
+                         f"were parallelized on and name its tensor-parallel dim in tp_dim")
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy())
     for module in [m for m in model.modules() if isinstance(m, blocks)]:
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
 
+    install_norm_grad_reducer(model, norms, tp_mesh, bucket_cap_mb=bucket_cap_mb)
+    return model
+
+
+def install_norm_grad_reducer(model: nn.Module, norms, tp_mesh: DeviceMesh | None, *,
+                              bucket_cap_mb: float = 1.0) -> FSDPNormGradReducer | None:
+    """After FSDP2 wrapped `model`: give its sequence-parallel norms the tp reducer and the sharding guard.
+
+    `norms`: (fqn, module, sequence_parallel) for each shardnorm norm, decided before FSDP swapped the
+    params. For frameworks that call `fully_shard` themselves (torchtitan); `shard_model` calls it too.
+    """
     sp_params = [p for _, m, sp in norms if sp for p in m.parameters(recurse=False)]
     reducer = None
     if sp_params:
@@ -195,7 +261,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None,
         for p in module.parameters(recurse=False):
             setattr(p, _FSDP_SHARDED, True)  # FSDP's sharded params; its unsharded ones lack the mark
         module.register_forward_pre_hook(_norm_guard(fqn, reducer, sp))
-    return model
+    return reducer
 
 
 # ---- gradient accumulation -----------------------------------------------------------------------------

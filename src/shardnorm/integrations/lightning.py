@@ -1,0 +1,85 @@
+"""shardnorm under Lightning Fabric's `ModelParallelStrategy` (FSDP2 x tensor parallelism).
+
+`parallelize_fn(tp_plan)` is the function `ModelParallelStrategy(parallelize_fn=...)` calls with the
+model and Fabric's 2-D mesh ("data_parallel", "tensor_parallel"): it converts the model's norms
+(`shardnorm.convert`), applies the user's tensor-parallel plan on the tensor-parallel dim (put
+`shardnorm.distributed.SequenceParallelNorm()` where torch's `SequenceParallel` would go), and shards
+with `shardnorm.fsdp.shard_model` over the data-parallel dim. Sequence-parallel norm grads are then
+reduced over dp by FSDP and over tp by shardnorm, once per optimizer step in fp32.
+
+`strategy(tp_plan, ...)` returns that `ModelParallelStrategy` with Fabric's `no_backward_sync` tied
+to shardnorm: `with fabric.no_backward_sync(model, enabled=not last):` skips FSDP's dp reduction
+(Fabric's own behaviour) and enters `shardnorm.accumulate(model)`, so the tp reduction of the norm
+grads waits for the last micro-batch too. Needs `pip install shardnorm[lightning]`.
+"""
+
+from contextlib import ExitStack, contextmanager
+
+try:
+    from lightning.fabric.strategies.model_parallel import ModelParallelStrategy, _ParallelBackwardSyncControl
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(f"shardnorm.integrations.lightning needs Lightning 2.4+: pip install 'shardnorm[lightning]' "
+                      f"({e})") from e
+
+from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+
+import shardnorm
+from shardnorm.distributed.fsdp import shard_model
+
+DATA_DIM, TP_DIM = "data_parallel", "tensor_parallel"  # the dims Fabric's ModelParallelStrategy names
+
+__all__ = ["ShardnormBackwardSyncControl", "parallelize_fn", "strategy"]
+
+
+def parallelize_fn(tp_plan=None, *, block_classes=None, mp_policy=None, bucket_cap_mb: float = 1.0,
+                   dp_dims=DATA_DIM, tp_dim: str = TP_DIM):
+    """A `parallelize_fn(model, device_mesh)` for `ModelParallelStrategy` that applies shardnorm.
+
+    `tp_plan`: None (data parallel only), a `parallelize_module` plan dict, or a callable
+    `(model, tp_mesh) -> None` that parallelizes the model itself (e.g. one plan per block).
+    """
+    if tp_plan is not None and not (isinstance(tp_plan, dict) or callable(tp_plan)):
+        raise TypeError(f"shardnorm: tp_plan must be a parallelize_module plan dict or a callable "
+                        f"(model, tp_mesh), got {type(tp_plan).__name__}")
+
+    def parallelize(model: nn.Module, device_mesh):
+        model, _ = shardnorm.convert(model)
+        names = device_mesh.mesh_dim_names or ()
+        if tp_plan is not None:
+            if tp_dim not in names:
+                raise ValueError(f"shardnorm: tp_dim={tp_dim!r} is not a dim of Fabric's mesh {names}")
+            tp_mesh = device_mesh[tp_dim]
+            if tp_mesh.size() > 1:
+                tp_plan(model, tp_mesh) if callable(tp_plan) else parallelize_module(model, tp_mesh, tp_plan)
+        return shard_model(model, device_mesh, block_classes, mp_policy, bucket_cap_mb=bucket_cap_mb,
+                           dp_dims=dp_dims, tp_dim=tp_dim)
+
+    return parallelize
+
+
+class ShardnormBackwardSyncControl(_ParallelBackwardSyncControl):
+    """Fabric's FSDP2 no-sync control plus `shardnorm.accumulate` (tp reduction of the norm grads)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        return _no_sync(super().no_backward_sync(module, enabled), module, enabled)
+
+
+@contextmanager
+def _no_sync(fabric_context, module: nn.Module, enabled: bool):
+    with ExitStack() as stack:
+        stack.enter_context(fabric_context)
+        if enabled:
+            stack.enter_context(shardnorm.accumulate(module))
+        yield
+
+
+def strategy(tp_plan=None, *, data_parallel_size="auto", tensor_parallel_size="auto", block_classes=None,
+             mp_policy=None, bucket_cap_mb: float = 1.0, **kwargs) -> ModelParallelStrategy:
+    """`ModelParallelStrategy` with shardnorm's `parallelize_fn` and no-sync control (kwargs go to it)."""
+    result = ModelParallelStrategy(parallelize_fn(tp_plan, block_classes=block_classes, mp_policy=mp_policy,
+                                                  bucket_cap_mb=bucket_cap_mb),
+                                   data_parallel_size=data_parallel_size,
+                                   tensor_parallel_size=tensor_parallel_size, **kwargs)
+    result._backward_sync_control = ShardnormBackwardSyncControl()
+    return result

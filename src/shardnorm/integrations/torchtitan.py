@@ -1,0 +1,185 @@
+"""shardnorm in torchtitan 0.3: a model converter, a parallelize wrapper and a Trainer that accumulates.
+
+Three torchtitan extension points, each used the way torchtitan uses it:
+
+- `ShardnormConverter` (torchtitan's `ModelConfigConverter`, passed in `model_registry(...,
+  converters=[...])` like its Float8/LoRA converters): every `RMSNorm.Config` in the model config tree
+  becomes `ShardnormRMSNorm.Config`. That module runs shardnorm's kernel and, where torchtitan's TP
+  plan (the norm's `sharding_config`) declares a sequence-parallel norm, is parallelized with
+  `shardnorm.distributed.SequenceParallelNorm` instead of torchtitan's generic DTensor wrapping.
+- `parallelize_with_shardnorm(fn)`: the model's parallelize function, then shardnorm's norm-grad
+  reducer on the FSDP2-wrapped model (`shardnorm.fsdp.install_norm_grad_reducer`): FSDP reduces the
+  sequence-parallel norm grads over the data dims, shardnorm over tp in one fp32 all-reduce per
+  bucket per optimizer step (torch's path: one all-reduce per norm parameter per micro-batch).
+- `ShardnormTrainer`: torchtitan's `Trainer`, whose non-final micro-batches run inside
+  `shardnorm.accumulate(model)`, so gradient accumulation stays exact and reduces once per step.
+
+`with_shardnorm(config)` applies all three to any torchtitan `Trainer.Config`; `llama3_debugmodel`
+here is torchtitan's own debug config with shardnorm, so the CLI selects it with
+`--module shardnorm.integrations.torchtitan --config llama3_debugmodel`.
+Needs `pip install shardnorm[torchtitan]` (torchtitan 0.3) and
+`--parallelism.spmd_backend partial_dtensor` under tensor parallelism (set by `with_shardnorm`).
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import wraps
+
+try:
+    import torchtitan
+    from torchtitan.models.common import RMSNorm as TitanRMSNorm
+    from torchtitan.config.override import derive
+    from torchtitan.protocols.model import ModelConfigConverter
+    from torchtitan.protocols.module import Module
+    from torchtitan.protocols.sharding import resolve_placements
+    from torchtitan.trainer import Trainer
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(f"shardnorm.integrations.torchtitan needs torchtitan 0.3: pip install 'shardnorm[torchtitan]' "
+                      f"({e})") from e
+
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+import shardnorm
+from shardnorm.distributed import SequenceParallelNorm
+from shardnorm.distributed.fsdp import install_norm_grad_reducer
+
+SUPPORTED_VERSIONS = ("0.3.",)
+if not torchtitan.__version__.startswith(SUPPORTED_VERSIONS):  # pragma: no cover
+    raise ImportError(f"shardnorm.integrations.torchtitan supports torchtitan {SUPPORTED_VERSIONS[0]}x, found "
+                      f"torchtitan {torchtitan.__version__} (its converter and sharding protocols change between "
+                      f"releases)")
+
+SPMD_BACKEND = "partial_dtensor"  # DTensor on the model-parallel axes: what SequenceParallelNorm speaks
+_SEQUENCE_PARALLEL = "_shardnorm_sequence_parallel"
+
+__all__ = ["ShardnormConverter", "ShardnormRMSNorm", "ShardnormTrainer", "llama3_debugmodel",
+           "parallelize_with_shardnorm", "with_shardnorm"]
+
+
+class ShardnormRMSNorm(shardnorm.RMSNorm, Module):
+    """torchtitan's configurable RMSNorm on shardnorm's kernel; same params, state dict and init."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TitanRMSNorm.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config.normalized_shape, eps=config.eps, elementwise_affine=config.elementwise_affine)
+
+    def parallelize(self, parallel_dims) -> None:
+        """Where torchtitan's plan makes this a sequence-parallel norm, apply `SequenceParallelNorm`."""
+        plan = self._sharding_config
+        if plan is None or not parallel_dims.tp_enabled:
+            return Module.parallelize(self, parallel_dims)
+        if parallel_dims.spmd_backend != SPMD_BACKEND:
+            raise ValueError(f"shardnorm: parallelism.spmd_backend={parallel_dims.spmd_backend!r} is not supported "
+                             f"under tensor parallelism; use --parallelism.spmd_backend {SPMD_BACKEND} (shardnorm's "
+                             f"sequence-parallel norms are DTensor ParallelStyles)")
+        tp_mesh = parallel_dims.get_mesh("tp")
+        weight = resolve_placements(plan.state_shardings["weight"], tp_mesh)
+        x = resolve_placements((plan.in_src_shardings or {}).get("input"), tp_mesh) \
+            if (plan.in_src_shardings or {}).get("input") is not None else None
+        if weight != (Replicate(),) or x is None or not (isinstance(x[0], Shard) and x[0].dim == 1):
+            return Module.parallelize(self, parallel_dims)  # a replicated norm: nothing of ours to do
+        if parallel_dims.cp_enabled:
+            raise NotImplementedError("shardnorm: sequence-parallel norms with context parallelism "
+                                      "(parallelism.context_parallel_degree > 1 and tensor_parallel_degree > 1) "
+                                      "are not supported by the torchtitan adapter")
+        if self._parallelized:
+            raise ValueError(f"{type(self).__name__} has already been parallelized")
+        self._parallelized = True
+        parallelize_module(self, tp_mesh, SequenceParallelNorm(sequence_dim=1))
+        setattr(self, _SEQUENCE_PARALLEL, True)
+        if plan.out_dst_shardings is not None:  # e.g. the final norm all-gathers for lm_head
+            self.register_forward_hook(lambda m, args, out: m._redistribute_outputs(parallel_dims, out))
+
+
+class ShardnormConverter(ModelConfigConverter):
+    """torchtitan model converter: its RMSNorms become shardnorm's (same parameters and sharding plan)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs):
+        self.config = config
+
+    def convert(self, model_config):
+        converted = model_config
+        count = 0
+        for fqn, cfg, parent, attr in list(model_config.traverse(TitanRMSNorm.Config, recurse=True)):
+            if type(cfg) is not TitanRMSNorm.Config:
+                continue
+            new = derive(cfg, ShardnormRMSNorm.Config)
+            count += 1
+            if parent is None:
+                converted = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+        if count == 0:
+            raise ValueError(f"shardnorm: ShardnormConverter found no torchtitan RMSNorm.Config in "
+                             f"{type(model_config).__qualname__}")
+        return converted
+
+
+def parallelize_with_shardnorm(parallelize_fn, *, bucket_cap_mb: float = 1.0):
+    """Wrap a torchtitan parallelize function: after it (TP, AC, compile, FSDP2), attach the norm reducer."""
+
+    @wraps(parallelize_fn)
+    def parallelize(model, *, parallel_dims, **kwargs):
+        model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+        norms = [(fqn, m, bool(getattr(m, _SEQUENCE_PARALLEL, False))) for fqn, m in model.named_modules()
+                 if isinstance(m, ShardnormRMSNorm)]
+        if any(sp for *_, sp in norms):
+            install_norm_grad_reducer(model, norms, parallel_dims.get_mesh("tp"), bucket_cap_mb=bucket_cap_mb)
+        return model
+
+    return parallelize
+
+
+class ShardnormTrainer(Trainer):
+    """torchtitan's Trainer; non-final micro-batches of a step accumulate shardnorm's norm grads."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    def train_step(self, data_iterator):
+        self._shardnorm_microbatch = 0
+        return Trainer.train_step(self, data_iterator)
+
+    def forward_backward_step(self, **kwargs):
+        index, self._shardnorm_microbatch = self._shardnorm_microbatch, self._shardnorm_microbatch + 1
+        last = index == self.gradient_accumulation_steps - 1
+        contexts = [nullcontext() if last else shardnorm.accumulate(m) for m in self.model_parts]
+        for c in contexts:
+            c.__enter__()
+        try:
+            return Trainer.forward_backward_step(self, **kwargs)
+        finally:
+            for c in reversed(contexts):
+                c.__exit__(None, None, None)
+
+
+def with_shardnorm(config: Trainer.Config, *, bucket_cap_mb: float = 1.0) -> ShardnormTrainer.Config:
+    """A torchtitan `Trainer.Config` with shardnorm's norms, TP plan, reducer and accumulation."""
+    spec = config.model_spec
+    if spec is None:
+        raise ValueError("shardnorm: with_shardnorm needs a Trainer.Config whose model_spec is set")
+    spec.model = ShardnormConverter.Config().build().convert(spec.model)
+    spec.parallelize_fn = parallelize_with_shardnorm(spec.parallelize_fn, bucket_cap_mb=bucket_cap_mb)
+    config.parallelism.spmd_backend = SPMD_BACKEND
+    return derive(config, ShardnormTrainer.Config)
+
+
+def llama3_debugmodel() -> ShardnormTrainer.Config:
+    """torchtitan's `llama3_debugmodel` config with shardnorm (`--module shardnorm.integrations.torchtitan`)."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel as stock
+
+    return with_shardnorm(stock())
+
+

@@ -1,0 +1,96 @@
+"""shardnorm in torchtitan 0.3: its converter registry, its CLI config selection, its own trainer on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+
+def _import_datasets_past_tests_multiprocess() -> None:
+    """torchtitan's trainer imports `datasets`, which needs the `multiprocess` package; pytest puts tests/
+    on sys.path, where tests/multiprocess.py (the spawn helper) shadows it. Import `datasets` with the
+    real package, then give the name back to whichever module held it."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    held = sys.modules.pop("multiprocess", None)
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != tests_dir]
+    try:
+        import datasets  # noqa: F401
+    finally:
+        sys.path[:] = saved
+        sys.modules.pop("multiprocess", None)
+        if held is not None:
+            sys.modules["multiprocess"] = held
+
+
+_import_datasets_past_tests_multiprocess()
+
+from torchtitan.models.common import RMSNorm as TitanRMSNorm  # noqa: E402
+from torchtitan.models.llama3 import model_registry  # noqa: E402
+
+from parallel.runtime import free_port  # noqa: E402
+from shardnorm.integrations.torchtitan import ShardnormConverter, ShardnormRMSNorm  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _norm_configs(model_config):
+    return [cfg for _, cfg, _, _ in model_config.traverse(TitanRMSNorm.Config, recurse=True)]
+
+
+def test_converter_in_model_registry():
+    """torchtitan's own registry applies the converter: every RMSNorm becomes shardnorm's, modules build."""
+    stock = model_registry("debugmodel").model
+    spec = model_registry("debugmodel", converters=[ShardnormConverter.Config()])
+    norms = _norm_configs(spec.model)
+    assert len(norms) == len(_norm_configs(stock)) == 2 * len(stock.layers) + 1
+    assert all(type(c) is ShardnormRMSNorm.Config for c in norms)
+    module = norms[0].build()
+    assert isinstance(module, ShardnormRMSNorm) and module.weight.shape == (stock.dim,)
+
+
+def test_converter_refuses_a_model_without_rmsnorm():
+    from torchtitan.models.common import Linear
+
+    with pytest.raises(ValueError, match="found no torchtitan RMSNorm.Config"):
+        ShardnormConverter.Config().build().convert(Linear.Config(in_features=4, out_features=4))
+
+
+def _train(tmp_path, config: str, steps: int) -> dict:
+    out = tmp_path / f"{config}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "tests.torchtitan_runner", str(out), "--module", "tests.torchtitan_runner", "--config", config,
+           "--hf_assets_path", str(tmp_path / "tokenizer"), "--dataloader.dataset_path", str(tmp_path / "c4_test"),
+           "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+           "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
+           "--parallelism.tensor_parallel_degree", "2", "--debug.seed", "7",
+           "--override.imports", "tests.torchtitan_runner.sdpa_on_cpu", "--dump_folder", str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.distributed
+def test_torchtitan_trainer_tp2_accumulation_matches_stock(tmp_path):
+    """torchtitan's trainer, llama3 debug model, tp=2 with sequence parallelism, 2 micro-batches per step:
+    shardnorm's losses equal stock torchtitan's (fp32 params), and the norm grads take one reducer
+    all-reduce per step where stock takes one per norm parameter per micro-batch."""
+    from tests.torchtitan_runner import make_assets
+
+    make_assets(tmp_path)
+    steps, micro_batches = 3, 2
+    stock = _train(tmp_path, "stock_debugmodel", steps)
+    ours = _train(tmp_path, "shardnorm_debugmodel", steps)
+    for step, (a, b) in enumerate(zip(stock["loss"], ours["loss"]), 1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: stock loss {a}, shardnorm {b}"
+    assert len(ours["loss"]) == steps
+    assert ours["loss"][-1] < ours["loss"][0]
+    assert ours["reducer_collectives"] == list(range(1, steps + 1))  # one bucket, once per optimizer step
+    norm_params = len(_norm_configs(model_registry("debugmodel").model))
+    for s, o in zip(stock["fwd_bwd_all_reduces"], ours["fwd_bwd_all_reduces"]):
+        assert s - o == norm_params * micro_batches - 1, (stock, ours)
