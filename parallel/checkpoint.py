@@ -139,6 +139,7 @@ class Checkpointer:
         path = self._find()
         if path is None:
             return 0
+        start = time.perf_counter()
         saved = store.read_marker(path)
         self._check_compatible(path, saved)
         engine.load_checkpoint(path)
@@ -153,8 +154,8 @@ class Checkpointer:
                         path, saved["world_size"])
         self.saved_step = saved["step"]
         if self.runtime.is_main:
-            logger.info("resumed from step %d (%s, saved at dp=%d × tp=%d)", saved["step"], path,
-                        saved["dp"], saved["tp"])
+            logger.info("resumed from step %d (%s, saved at dp=%d × tp=%d; loaded in %.2f s)",
+                        saved["step"], path, saved["dp"], saved["tp"], time.perf_counter() - start)
         return saved["step"]
 
     # ---- save --------------------------------------------------------------------------------------

@@ -113,7 +113,12 @@ class MetricsLogger:
 
 def plot_losses(path: Path, curves: dict[str, list[float]]) -> None:
     """One line per labelled loss curve, steps numbered from 1."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning("%s skipped: matplotlib is not installed (pip install 'shardnorm[train]')",
+                       path)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
