@@ -8,11 +8,14 @@ config without training (launch/train.sh runs it before torchrun) and prints the
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from parallel import checkpoint_store
 
 VOCAB_SIZE = 256  # byte-level tokens
 
@@ -60,6 +63,17 @@ class TrainConfig:
     timing_skip: int = 2  # first steps left out of the summary's throughput (warm-up, compile)
     profile_step: int = 0  # profile this step's norm-grad all-reduces (count, time); 0: none
     out_dir: str = ""  # empty: runs/<config name>-<engine>-<norm>[-compile]
+    tensorboard: bool = False  # also log the metrics to out_dir/tensorboard (needs tensorboard)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # where checkpoints go (step-<N>/ each); empty: no checkpoints, no auto-resume
+    every: int = 0  # save every this many optimizer steps; 0: only at the end (with at_end)
+    keep_last: int = 2  # complete checkpoints kept in `dir` (older ones are deleted); 0: all
+    at_end: bool = True  # save after the last step too
+    load: str = ""  # resume from this checkpoint (a step-<N> dir, or a dir of them: its latest);
+    # empty: the latest complete checkpoint in `dir`, if any
 
 
 @dataclass
@@ -68,6 +82,7 @@ class ParallelConfig:
     dp: int = -1  # data-parallel (FSDP2) degree; -1: world size / tp
     tp: int = 1  # tensor/sequence-parallel degree
     deepspeed_config: str = "configs/deepspeed/zero2.json"
+    timeout_s: float = 600.0  # a collective waiting longer than this ends the job with an error
 
 
 @dataclass
@@ -77,6 +92,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def out_dir(self) -> Path:
@@ -99,7 +115,7 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-            "parallel": ParallelConfig}
+            "parallel": ParallelConfig, "checkpoint": CheckpointConfig}
 CHOICES = {"train.dtype": ("float32", "bfloat16"), "train.norm": ("shardnorm", "torch"),
            "parallel.engine": ("fsdp_tp", "deepspeed")}
 
@@ -181,6 +197,19 @@ def validate(cfg: Config) -> None:
         _check(value >= 0, key, f"must not be negative, got {value}")
     _check(0 <= t.profile_step <= t.steps, "train.profile_step",
            f"must be 0 (off) or a step number up to train.steps ({t.steps}), got {t.profile_step}")
+    _check(p.timeout_s > 0, "parallel.timeout_s", f"must be positive, got {p.timeout_s}")
+    c = cfg.checkpoint
+    for key, value in [("checkpoint.every", c.every), ("checkpoint.keep_last", c.keep_last)]:
+        _check(value >= 0, key, f"must not be negative, got {value}")
+    _check(not c.every or c.dir, "checkpoint.dir",
+           "is empty, so checkpoint.every has nowhere to save: set checkpoint.dir=DIR")
+    if c.load:  # an explicit checkpoint that cannot be read is an error, never a fresh start
+        try:
+            checkpoint_store.resolve(c.load)
+        except checkpoint_store.CheckpointError as e:
+            raise ConfigError(f"checkpoint.load: {e}") from None
+    _check(not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+           "train.tensorboard", "needs the tensorboard package (pip install 'shardnorm[train]')")
     _check(t.timing_skip < t.steps, "train.timing_skip",
            f"{t.timing_skip} leaves no timed step out of train.steps ({t.steps})")
 

@@ -80,3 +80,12 @@ class BatchSampler:
 
     def next_step(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self._micro_batch(device) for _ in range(self.grad_accum)]
+
+    def state_dict(self) -> dict:
+        """The data position: the window generator's state, the same on every rank. It maps to the
+        same global batches on another layout if `global_rows` (batch_size × dp) is unchanged."""
+        return {"generator": self.generator.get_state(), "global_rows": self.global_rows,
+                "grad_accum": self.grad_accum, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])

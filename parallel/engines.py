@@ -7,7 +7,7 @@ loss, AdamW and learning-rate schedule, so their losses are comparable step by s
 
 import contextlib
 import json
-import math
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -24,17 +24,19 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(model: nn.Module, train: TrainConfig):
-    """AdamW with linear warm-up, then cosine decay to 10% of the peak learning rate."""
+    """AdamW with linear warm-up, then cosine decay to 10% of the peak learning rate (torch's
+    LinearLR then CosineAnnealingLR: step k of the warm-up runs at lr * (k + 1) / (warmup + 1))."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.95), eps=train.adam_eps,
                                   weight_decay=train.weight_decay)
-
-    def lr_factor(step: int) -> float:
-        if step < train.warmup_steps:
-            return (step + 1) / (train.warmup_steps + 1)
-        progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    schedulers = torch.optim.lr_scheduler
+    cosine = schedulers.CosineAnnealingLR(optimizer, T_max=max(1, train.steps - train.warmup_steps),
+                                          eta_min=0.1 * train.lr)
+    if not train.warmup_steps:
+        return optimizer, cosine
+    warmup = schedulers.LinearLR(optimizer, start_factor=1 / (train.warmup_steps + 1),
+                                 end_factor=1.0, total_iters=train.warmup_steps)
+    return optimizer, schedulers.SequentialLR(optimizer, [warmup, cosine],
+                                              milestones=[train.warmup_steps])
 
 
 class TorchEngine:
@@ -72,6 +74,16 @@ class TorchEngine:
     @property
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Model and optimizer through torch.distributed.checkpoint, each rank writing its shards.
+        Between steps only: shardnorm.fsdp.save refuses while grads are accumulated (none are after
+        step(), which zeroes them)."""
+        shardnorm.fsdp.save(str(path / "dcp"), self.model, self.optimizer)
+
+    def load_checkpoint(self, path: Path) -> None:
+        """DCP reshards: the saving run's dp × tp layout need not be this one's."""
+        shardnorm.fsdp.load(str(path / "dcp"), self.model, self.optimizer)
 
 
 class DeepSpeedEngine:
@@ -116,3 +128,18 @@ class DeepSpeedEngine:
     @property
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    TAG = "deepspeed"
+
+    def save_checkpoint(self, path: Path) -> None:
+        """DeepSpeed's own checkpoint (each rank its ZeRO partition), lr scheduler included."""
+        if self.engine.micro_steps % self.engine.gradient_accumulation_steps():
+            raise RuntimeError("refusing to checkpoint in the middle of gradient accumulation "
+                               f"(micro-step {self.engine.micro_steps}): save after a step")
+        self.engine.save_checkpoint(str(path), tag=self.TAG, save_latest=False)
+
+    def load_checkpoint(self, path: Path) -> None:
+        loaded, _ = self.engine.load_checkpoint(str(path), tag=self.TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint in {path}/{self.TAG}")

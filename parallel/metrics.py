@@ -1,7 +1,8 @@
-"""Per-step metrics on rank 0: log lines (a progress bar on a terminal), metrics.jsonl, summary, plot.
+"""Per-step metrics on rank 0: log lines (a tqdm bar on a terminal), metrics.jsonl, summary, plot.
 
 Files in the output dir: `metrics.jsonl` (one JSON object per step), `summary.json` (the final
-summary line as JSON) and `loss.png` (loss per step; with --check also the reference run's).
+summary line as JSON) and `loss.png` (loss per step; with --check also the reference run's); with
+`train.tensorboard = true` also TensorBoard event files in `tensorboard/`.
 """
 
 import json
@@ -34,32 +35,37 @@ def format_summary(s: dict) -> str:
             f"({s['memory_kind']})  final loss {s['final_loss']:.4f}")
 
 
-class ProgressBar:
-    """A tqdm-style single line redrawn in place on stderr."""
-
-    def __init__(self, total: int, width: int = 24):
-        self.total, self.width = total, width
-
-    def update(self, step: int, text: str) -> None:
-        filled = self.width * step // self.total
-        sys.stderr.write(f"\r|{'█' * filled}{' ' * (self.width - filled)}| {step}/{self.total} "
-                         f"{text}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-
-
 class MetricsLogger:
     """Writes one record per step; does nothing on ranks other than 0."""
 
-    def __init__(self, out_dir: Path, total_steps: int, enabled: bool):
-        self.out_dir, self.enabled, self.records = out_dir, enabled, []
+    def __init__(self, out_dir: Path, total_steps: int, enabled: bool, tensorboard: bool = False):
+        self.out_dir, self.total_steps, self.enabled, self.records = out_dir, total_steps, enabled, []
+        self.file = self.bar = self.tensorboard = None
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.file = (out_dir / "metrics.jsonl").open("w")
-        self.bar = ProgressBar(total_steps) if sys.stderr.isatty() else None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def start(self, first_step: int) -> None:
+        """Open metrics.jsonl at `first_step`; a resumed run keeps the records of the steps before."""
+        if not self.enabled:
+            return
+        path = self.out_dir / "metrics.jsonl"
+        if first_step > 1 and path.exists():
+            kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in kept if r["step"] < first_step]
+        self.file = path.open("w")
+        for record in self.records:
+            self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if sys.stderr.isatty():  # a progress bar on a terminal, log lines otherwise
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total_steps, initial=first_step - 1, unit="step",
+                            dynamic_ncols=True)
 
     def log_step(self, record: dict) -> None:
         if not self.enabled:
@@ -67,15 +73,19 @@ class MetricsLogger:
         self.records.append(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.tensorboard:
+            for key in ("loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_gib"):
+                self.tensorboard.add_scalar(f"train/{key}", record[key], record["step"])
         if self.bar:
-            self.bar.update(record["step"], format_step(record))
+            self.bar.set_postfix_str(format_step(record), refresh=False)
+            self.bar.update(1)
         else:
             logger.info(format_step(record))
 
     def summarize(self, timing_skip: int, extra: dict) -> dict:
         """Throughput and step time over the steps after the first `timing_skip`, less a profiled one."""
-        timed = [r for r in self.records[timing_skip:] if not r.get("profiled")]
-        seconds = sum(r["step_time_s"] for r in timed)
+        timed = [r for r in self.records[timing_skip:] if not r.get("profiled")] or self.records
+        seconds = sum(r["step_time_s"] for r in timed) or float("nan")
         return {**extra,
                 "steps": len(self.records),
                 "timed_steps": len(timed),
@@ -89,6 +99,8 @@ class MetricsLogger:
             return
         if self.bar:
             self.bar.close()
+        if self.tensorboard:
+            self.tensorboard.close()
         self.file.close()
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         curves = {f"{summary['norm']} norms ({summary['engine']})": [r["loss"] for r in self.records]}
@@ -101,7 +113,12 @@ class MetricsLogger:
 
 def plot_losses(path: Path, curves: dict[str, list[float]]) -> None:
     """One line per labelled loss curve, steps numbered from 1."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning("%s skipped: matplotlib is not installed (pip install 'shardnorm[train]')",
+                       path)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

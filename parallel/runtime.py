@@ -4,12 +4,14 @@ NCCL on cuda:LOCAL_RANK when CUDA is available, gloo on CPU otherwise. Started w
 (no RANK in the environment) it runs as a world of one.
 """
 
+import contextlib
 import gc
 import os
 import resource
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -62,8 +64,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_runtime(deepspeed: bool = False) -> Runtime:
-    """Join the process group torchrun (or the deepspeed launcher) describes in the environment."""
+def init_runtime(deepspeed: bool = False, timeout_s: float = 600.0) -> Runtime:
+    """Join the process group torchrun (or the deepspeed launcher) describes in the environment.
+    A collective that waits longer than `timeout_s` (a hung peer) raises instead of waiting forever."""
     if "RANK" not in os.environ:  # started directly: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
@@ -76,11 +79,38 @@ def init_runtime(deepspeed: bool = False) -> Runtime:
     if deepspeed:
         import deepspeed as ds
 
-        ds.init_distributed()  # its own backend choice: nccl, or gloo/ccl for DS_ACCELERATOR=cpu
+        # its own backend choice: nccl, or gloo/ccl for DS_ACCELERATOR=cpu
+        ds.init_distributed(timeout=timedelta(seconds=timeout_s))
     else:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                timeout=timedelta(seconds=timeout_s))
     return Runtime(rank, world_size, device)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than parallel.timeout_s: a peer rank hangs (or is far too slow)."""
+
+
+class CollectivePhase:
+    """`with phase("step 3: the loss all-reduce"):` turns a collective's timeout inside into a
+    CollectiveTimeout naming this rank, the phase and the setting; gloo's own message only says
+    "Timed out waiting … for recv", NCCL's watchdog names the operation (e.g. OpType=ALLREDUCE)."""
+
+    def __init__(self, timeout_s: float, rank: int):
+        self.timeout_s, self.rank = timeout_s, rank
+
+    @contextlib.contextmanager
+    def __call__(self, what: str):
+        try:
+            yield
+        except RuntimeError as e:
+            text = str(e).lower()
+            if isinstance(e, CollectiveTimeout) or not ("timed out" in text or "timeout" in text):
+                raise
+            raise CollectiveTimeout(f"rank {self.rank}: a collective in {what} waited longer than "
+                                    f"parallel.timeout_s = {self.timeout_s:g} s (a hung or dead "
+                                    f"peer rank?): {e}") from e
 
 
 def shutdown(wait_for_peers: bool = True) -> None:

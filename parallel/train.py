@@ -5,6 +5,8 @@
 or directly `torchrun --nproc-per-node N -m parallel.train CONFIG ...` from the repository root.
 Rank 0 logs every step and writes metrics.jsonl, summary.json and loss.png to the output dir;
 `--check` then re-runs the same steps in one process with torch norms and compares the losses.
+With `checkpoint.dir=D` it saves to D (every `checkpoint.every` steps) and, started again, resumes
+from the latest complete checkpoint there (parallel/checkpoint.py).
 """
 
 import contextlib
@@ -15,6 +17,8 @@ import warnings
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from parallel.checkpoint import Checkpointer
+from parallel.checkpoint_store import CheckpointError
 from parallel.collectives import profiled_collectives
 from parallel.config import Config, ConfigError, parse_args
 from parallel.data import BatchSampler, load_tokens
@@ -22,7 +26,7 @@ from parallel.engines import DeepSpeedEngine, TorchEngine
 from parallel.metrics import MetricsLogger, logger, setup_logging
 from parallel.model import build_model
 from parallel.parallelize import parallelize, uses_norm_reducer
-from parallel.runtime import Runtime, init_runtime, shutdown
+from parallel.runtime import CollectivePhase, Runtime, init_runtime, shutdown
 
 
 def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
@@ -45,14 +49,20 @@ def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
 
 
 def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: int) -> dict:
-    """Run the steps; returns the profiled step's norm-grad collectives (empty without train.profile_step)."""
+    """Run the steps (after resuming from a checkpoint, if there is one); returns the profiled
+    step's norm-grad collectives (empty without train.profile_step)."""
     engine, dp_rank = build_engine(cfg, runtime, dp, tp)
     collectives: dict = {}
     tokens = load_tokens(cfg.data.path, cfg.data.corpus_bytes, cfg.train.seed)
     sampler = BatchSampler(tokens, cfg.data.seq_len, cfg.data.batch_size, cfg.train.grad_accum,
                            cfg.train.seed, dp_rank, dp)
+    checkpointer = Checkpointer(cfg, runtime, dp, tp)
+    phase = CollectivePhase(cfg.parallel.timeout_s, runtime.rank)
+    with phase("resuming from a checkpoint"):
+        first_step = checkpointer.resume(engine, sampler) + 1
+    metrics.start(first_step)
     tokens_per_step = dp * cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum
-    for step in range(1, cfg.train.steps + 1):
+    for step in range(first_step, cfg.train.steps + 1):
         micro_batches = sampler.next_step(runtime.device)
         runtime.reset_peak_memory()
         start = runtime.now()
@@ -61,17 +71,21 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
         profiler = (profiled_collectives(runtime.device.type == "cuda",
                                          str(cfg.out_dir / f"profile_rank{runtime.rank}.json.gz"))
                     if profiled else contextlib.nullcontext())
-        with profiler as found:
+        with phase(f"step {step}: forward, backward and optimizer step"), profiler as found:
             loss = engine.step(micro_batches)
         seconds = runtime.now() - start
         if profiled:
             collectives = {"profiled_step": step, **found}
             if runtime.is_main:
                 logger.info("step %d norm-grad collectives: %s", step, found)
-        metrics.log_step({"step": step, "loss": runtime.mean_over_ranks(loss), "lr": lr,
+        with phase(f"step {step}: the loss all-reduce"):
+            mean_loss = runtime.mean_over_ranks(loss)
+        metrics.log_step({"step": step, "loss": mean_loss, "lr": lr,
                           "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / seconds,
                           "step_time_s": seconds, "peak_mem_gib": runtime.peak_memory_gib(),
                           **({"profiled": True} if profiled else {})})
+        with phase(f"step {step}: saving a checkpoint"):
+            checkpointer.after_step(step, engine, sampler)
     return collectives
 
 
@@ -85,7 +99,10 @@ def reference_losses(cfg: Config, device: torch.device, dp: int) -> list[float]:
     return [engine.step(sampler.next_step(device)) for _ in range(cfg.train.steps)]
 
 
-def check(losses: list[float], reference: list[float], rtol: float) -> dict:
+def check(records: list[dict], reference: list[float], rtol: float) -> dict:
+    """Each logged step's loss against the reference's loss of the same step."""
+    losses = [r["loss"] for r in records]
+    reference = [reference[r["step"] - 1] for r in records]
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
     passed = worst <= rtol
     logger.info("check: max relative loss difference vs single-process torch norms over %d "
@@ -106,16 +123,22 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    runtime = init_runtime(deepspeed=cfg.parallel.engine == "deepspeed")
+    runtime = init_runtime(deepspeed=cfg.parallel.engine == "deepspeed",
+                           timeout_s=cfg.parallel.timeout_s)
     setup_logging(runtime.is_main)
-    metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main)
+    metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main, cfg.train.tensorboard)
     try:
         collectives = train(cfg, runtime, metrics, dp, tp)
+    except CheckpointError as e:
+        shutdown(wait_for_peers=False)
+        if runtime.is_main:
+            print(f"checkpoint error: {e}", file=sys.stderr)
+        sys.exit(2)
     except BaseException:
         shutdown(wait_for_peers=False)  # the launcher stops the other ranks
         raise
     shutdown()
-    if not runtime.is_main:
+    if not runtime.is_main or not metrics.records:
         return
     summary = metrics.summarize(cfg.train.timing_skip, {
         "config": cfg.name, "norm": cfg.train.norm, "engine": cfg.parallel.engine,
@@ -125,7 +148,7 @@ def main() -> None:
     reference = None
     if cfg.train.check:
         reference = reference_losses(cfg, runtime.device, dp)
-        summary.update(check([r["loss"] for r in metrics.records], reference,
+        summary.update(check(metrics.records, reference,
                              cfg.train.check_rtol))
     metrics.finish(summary, reference)
     if not summary.get("check_passed", True):

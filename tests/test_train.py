@@ -125,3 +125,28 @@ def test_launcher_rejects_bad_config_before_starting():
     assert result.returncode != 0
     assert "config error: parallel.dp × parallel.tp" in result.stderr
     assert "step" not in result.stdout
+
+
+@pytest.mark.parametrize("warmup_steps, steps", [(5, 40), (0, 10), (1, 3), (10, 60), (7, 7)])
+def test_lr_schedule_is_warmup_then_cosine_to_a_tenth(warmup_steps, steps):
+    """torch's LinearLR + CosineAnnealingLR give the schedule's closed form at every step."""
+    import math
+
+    import torch
+
+    from parallel.engines import build_optimizer
+
+    lr = 2.5e-3
+    model = torch.nn.Linear(3, 5)
+    optimizer, scheduler = build_optimizer(model, TrainConfig(lr=lr, warmup_steps=warmup_steps,
+                                                              steps=steps))
+    for step in range(steps):
+        if step < warmup_steps:
+            expected = lr * (step + 1) / (warmup_steps + 1)
+        else:
+            progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+            expected = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+        assert scheduler.get_last_lr()[0] == pytest.approx(expected, rel=1e-12), step
+        assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()

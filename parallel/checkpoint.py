@@ -1,0 +1,218 @@
+"""Save the main job at optimizer-step boundaries and resume it exactly (parallel/README.md).
+
+A checkpoint holds what the next step depends on: the model and optimizer (the engine's own format:
+torch.distributed.checkpoint shards for FSDP2 × TP, DeepSpeed's checkpoint for DeepSpeed), the LR
+scheduler, the data position (the window generator, the same on every rank), every rank's RNG
+states, and the step. It is only taken after `optimizer.step()` and `zero_grad()`, when no grads are
+accumulated: shardnorm's norm-grad reducer holds nothing then (`shardnorm.fsdp.save` refuses
+otherwise), so nothing mid-accumulation needs saving.
+
+Crash safety (parallel/checkpoint_store.py): every rank writes into `.tmp-step-<N>/`, then rank 0
+writes `complete.json` listing every file's size and renames the directory to `step-<N>/`.
+"""
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel import checkpoint_store as store
+from parallel.checkpoint_store import CheckpointError
+from parallel.config import Config
+from parallel.metrics import logger
+from parallel.runtime import Runtime
+
+# settings a resumed run must share with the saved one, or its batches differ from the saved run's
+DATA_KEYS = {"seed": "train.seed", "seq_len": "data.seq_len", "grad_accum": "train.grad_accum"}
+SCHEDULE_KEYS = {"steps": "train.steps", "lr": "train.lr", "warmup_steps": "train.warmup_steps"}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast(value):
+    """Rank 0's `value` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _save_synced(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rng_states(device: torch.device) -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    if "numpy" in sys.modules:
+        states["numpy"] = sys.modules["numpy"].random.get_state()
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+    if "numpy" in states:
+        import numpy
+
+        numpy.random.set_state(states["numpy"])
+
+
+class Checkpointer:
+    """Saves every `checkpoint.every` steps (and at the end) into `checkpoint.dir`; resumes from
+    `checkpoint.load` or the latest complete checkpoint in `checkpoint.dir`."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, dp: int, tp: int):
+        self.cfg, self.runtime, self.dp, self.tp = cfg, runtime, dp, tp
+        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        self.saved_step = 0
+        self.info = {"engine": cfg.parallel.engine, "world_size": runtime.world_size, "dp": dp,
+                     "tp": tp, "global_rows": cfg.data.batch_size * dp, "config": cfg.name,
+                     "dtype": cfg.train.dtype, "norm": cfg.train.norm,
+                     **{k: getattr(cfg.train if k != "seq_len" else cfg.data, k)
+                        for k in (*DATA_KEYS, *SCHEDULE_KEYS)}}
+
+    # ---- resume ------------------------------------------------------------------------------------
+
+    def _find(self) -> Path | None:
+        """Rank 0 picks the checkpoint (warning once about torn ones), every rank gets its path."""
+        found = error = None
+        if self.runtime.is_main:
+            try:
+                if self.cfg.checkpoint.load:
+                    found, _ = store.resolve(self.cfg.checkpoint.load, logger.warning)
+                elif self.root is not None:
+                    latest = store.latest(self.root, logger.warning)
+                    found = latest[0] if latest else None
+            except CheckpointError as e:
+                error = f"checkpoint.load: {e}"
+        found, error = _broadcast((found and str(found), error))
+        if error:
+            raise CheckpointError(error)
+        return Path(found) if found else None
+
+    def _check_compatible(self, path: Path, saved: dict) -> None:
+        now = self.info
+        if saved["engine"] != now["engine"]:
+            raise CheckpointError(f"{path} was written by parallel.engine={saved['engine']}, "
+                                  f"this run is {now['engine']}")
+        if now["engine"] == "deepspeed" and saved["world_size"] != now["world_size"]:
+            raise CheckpointError(f"{path} was written by {saved['world_size']} DeepSpeed ranks, "
+                                  f"this run has {now['world_size']}: DeepSpeed's ZeRO partitions "
+                                  "do not reshard; resume on the same number of processes")
+        if saved["global_rows"] != now["global_rows"]:
+            raise CheckpointError(
+                f"data.batch_size: {path} was trained on {saved['global_rows']} sequences per "
+                f"micro-batch (data.batch_size × dp = {saved['global_rows'] // saved['dp']} × "
+                f"{saved['dp']}), this run has {self.cfg.data.batch_size} × {self.dp}: set "
+                f"data.batch_size={saved['global_rows'] // self.dp} to continue on the same batches"
+                if saved["global_rows"] % self.dp == 0 else
+                f"data.batch_size: {path} was trained on {saved['global_rows']} sequences per "
+                f"micro-batch, which dp={self.dp} does not divide")
+        for key, name in DATA_KEYS.items():
+            if saved[key] != now[key]:
+                raise CheckpointError(f"{name}: {path} was trained with {saved[key]}, this run "
+                                      f"has {now[key]}; the data would not continue where it stopped")
+        for key, name in SCHEDULE_KEYS.items():
+            if saved[key] != now[key] and self.runtime.is_main:
+                logger.warning("%s: %s was saved with %s, this run has %s; the LR schedule "
+                               "continues as saved", name, path, saved[key], now[key])
+
+    def resume(self, engine, sampler) -> int:
+        """Restore the latest (or the named) checkpoint into `engine` and `sampler`; its step, or 0."""
+        path = self._find()
+        if path is None:
+            return 0
+        start = time.perf_counter()
+        saved = store.read_marker(path)
+        self._check_compatible(path, saved)
+        engine.load_checkpoint(path)
+        state = torch.load(path / "train_state.pt", weights_only=False)
+        engine.scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        rng_file = path / "rng" / f"rank{self.runtime.rank}.pt"
+        if rng_file.exists():
+            set_rng_states(torch.load(rng_file, weights_only=False), self.runtime.device)
+        elif self.runtime.is_main:
+            logger.info("%s has the RNG states of %d ranks; ranks beyond keep their seeded ones",
+                        path, saved["world_size"])
+        self.saved_step = saved["step"]
+        if self.runtime.is_main:
+            logger.info("resumed from step %d (%s, saved at dp=%d × tp=%d; loaded in %.2f s)",
+                        saved["step"], path, saved["dp"], saved["tp"], time.perf_counter() - start)
+        return saved["step"]
+
+    # ---- save --------------------------------------------------------------------------------------
+
+    def after_step(self, step: int, engine, sampler) -> None:
+        """Save if `step` is due: every `checkpoint.every` steps, and the last step with at_end."""
+        c = self.cfg.checkpoint
+        due = c.every and step % c.every == 0
+        last = step == self.cfg.train.steps and c.at_end
+        if self.root is not None and (due or last) and step != self.saved_step:
+            self.save(step, engine, sampler)
+
+    def save(self, step: int, engine, sampler) -> None:
+        """Collective: every rank writes its part into the temporary dir, then rank 0 seals it."""
+        start = time.perf_counter()
+        tmp, final = store.temp_dir(self.root, step), store.step_dir(self.root, step)
+        if self.runtime.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp-step-*"):  # left by a job that stopped mid-save
+                shutil.rmtree(stale)
+            (tmp / "rng").mkdir(parents=True)
+        _barrier()
+        engine.save_checkpoint(tmp)
+        _save_synced(rng_states(self.runtime.device), tmp / "rng" / f"rank{self.runtime.rank}.pt")
+        if self.runtime.is_main:
+            _save_synced({"step": step, "scheduler": engine.scheduler.state_dict(),
+                          "sampler": sampler.state_dict()}, tmp / "train_state.pt")
+        _barrier()  # every rank's files are written
+        if self.runtime.is_main:
+            store.write_marker(tmp, {"step": step, **self.info})
+            if final.exists():  # a torn step-<N> from an earlier attempt
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fd = os.open(self.root, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            self._prune(step)
+        _barrier()
+        self.saved_step = step
+        if self.runtime.is_main:
+            seconds = time.perf_counter() - start
+            size = sum(store.list_files(final).values())
+            logger.info("saved checkpoint %s (%.1f MB, %.2f s)", final, size / 1e6, seconds)
+            with open(self.cfg.out_dir / "checkpoints.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "path": str(final), "bytes": size,
+                                    "seconds": seconds}) + "\n")
+
+    def _prune(self, step: int) -> None:
+        """Keep the newest `keep_last` complete checkpoints; drop older torn ones."""
+        complete = 0
+        for saved_step, path in store.candidates(self.root):
+            try:
+                store.read_marker(path)
+                complete += 1
+                if not self.cfg.checkpoint.keep_last or complete <= self.cfg.checkpoint.keep_last:
+                    continue
+            except CheckpointError:
+                if saved_step > step:
+                    continue
+            shutil.rmtree(path)

@@ -1,0 +1,256 @@
+"""Checkpoint and resume of the main job, through its launchers, as a user runs it (2 CPU processes).
+
+An uninterrupted run saving every 2 steps is the reference. A run killed with SIGKILL after a
+checkpoint exists, started again with the same command, must log every step's loss equal to the
+reference's (bitwise: same layout, same reduction order); a checkpoint resumed on another dp × tp
+layout or in one process must match to 1e-5. Torn checkpoints are skipped with a warning naming
+them; an explicitly named unreadable one is an error. DeepSpeed resumes through its own checkpoint.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from parallel import checkpoint_store as store
+from parallel.runtime import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "configs/tiny_cpu.toml"
+STEPS = 8
+SMALL = ["model.dim=48", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.ffn_dim=80", "model.max_seq_len=32", "data.seq_len=32", "data.batch_size=4",
+         "data.corpus_bytes=20000", f"train.steps={STEPS}", "train.timing_skip=1"]
+
+
+def env() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("SHARDNORM_BACKEND", "TRITON_INTERPRET", "NPROC")}
+
+
+def job_args(tmp: Path, *extra: str) -> list[str]:
+    return [TINY, *SMALL, f"checkpoint.dir={json.dumps(str(tmp / 'ck'))}", "checkpoint.every=2",
+            f"train.out_dir={json.dumps(str(tmp / 'out'))}", *extra]
+
+
+def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=ROOT, env=env(), text=True, capture_output=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def losses(tmp: Path) -> dict[int, float]:
+    lines = (tmp / "out" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted dp=1 × tp=2 run; its checkpoints are reused below."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run(["bash", "launch/train.sh", *job_args(tmp)])
+    return tmp, losses(tmp)
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it, as a crash of the whole job would."""
+    tree, todo = [pid], [pid]
+    while todo:
+        below = children(todo.pop())
+        tree += below
+        todo += below
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in tree[1:]:
+        while Path(f"/proc/{p}").exists() and "Z" not in _state(p):
+            time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def copy_checkpoint(reference: Path, step: int, tmp: Path) -> None:
+    shutil.copytree(store.step_dir(reference / "ck", step), store.step_dir(tmp / "ck", step))
+
+
+@pytest.mark.distributed
+def test_sigkill_then_same_command_resumes_exactly(reference, tmp_path):
+    ref_dir, ref = reference
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    # checkpoint.keep_last = 2 (the default): steps 2 and 4 were deleted
+    assert [s for s, _ in store.candidates(ref_dir / "ck")] == [8, 6]
+    cmd = ["bash", "launch/train.sh", *job_args(tmp_path)]
+    log = open(tmp_path / "first.log", "w")
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    deadline = time.monotonic() + 200
+    while not (store.step_dir(tmp_path / "ck", 4) / store.MARKER).exists():
+        assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint at step 4"
+        time.sleep(0.02)
+    kill_tree(job.pid)  # torchrun and both ranks (in sessions of their own), mid-run
+    assert job.wait(60) == -signal.SIGKILL
+    saved, _ = store.latest(tmp_path / "ck", warn=lambda message: None)
+    step = store.read_marker(saved)["step"]
+    assert step < STEPS, "the job finished before it was killed"
+    # a newer checkpoint whose shard was cut short (as by a full disk): complete.json still there
+    torn = store.step_dir(tmp_path / "ck", step + 1)
+    shutil.copytree(saved, torn)
+    shard = torn / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+
+    result = run(cmd)
+    assert f"resumed from step {step} ({saved}" in result.stdout
+    assert f"skipping torn checkpoint: {torn} is torn: dcp/__0_0.distcp has 100 bytes" in result.stdout
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert resumed == ref  # bitwise, every step
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["dp2xtp1", "one_process"])
+def test_resume_on_another_layout(reference, tmp_path, layout):
+    """Saved at dp=1 × tp=2; DCP reshards. The global batch (batch_size × dp) stays 4 sequences."""
+    ref_dir, ref = reference
+    copy_checkpoint(ref_dir, 6, tmp_path)
+    if layout == "dp2xtp1":
+        result = run(["bash", "launch/train.sh", *job_args(tmp_path, "parallel.tp=1",
+                                                           "data.batch_size=2")])
+    else:  # a world of one, logging to TensorBoard too
+        result = run([sys.executable, "-m", "parallel.train",
+                      *job_args(tmp_path, "parallel.tp=1", "train.tensorboard=true")])
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "out" / "tensorboard")).Reload()
+        logged = {e.step: e.value for e in events.Scalars("train/loss")}
+        assert sorted(logged) == [7, 8]
+        assert all(abs(logged[s] - ref[s]) <= 1e-5 * abs(ref[s]) for s in logged)
+    assert "resumed from step 6" in result.stdout and "saved at dp=1 × tp=2" in result.stdout
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == [7, 8]
+    for step, loss in resumed.items():
+        assert abs(loss - ref[step]) <= 1e-5 * abs(ref[step]), (step, loss, ref[step])
+
+
+def test_resume_with_another_global_batch_names_the_setting(reference, tmp_path):
+    copy_checkpoint(reference[0], 6, tmp_path)
+    result = subprocess.run([sys.executable, "-m", "parallel.train",
+                             *job_args(tmp_path, "parallel.tp=1", "data.batch_size=8")],
+                            cwd=ROOT, env=env(), text=True, capture_output=True, timeout=300)
+    assert result.returncode == 2
+    assert "checkpoint error: data.batch_size: " in result.stderr
+    assert "set data.batch_size=4 to continue on the same batches" in result.stderr
+
+
+def corrupt(path: Path, how: str) -> None:
+    if how == "no_marker":
+        (path / store.MARKER).unlink()
+    elif how == "bad_marker":
+        (path / store.MARKER).write_text("{not json")
+    elif how == "missing_shard":
+        (path / "dcp" / "__1_0.distcp").unlink()
+
+
+@pytest.mark.parametrize("how, message", [
+    ("missing", "does not exist"),
+    ("no_marker", "has no complete.json: it was not written completely"),
+    ("bad_marker", "complete.json is unreadable"),
+    ("missing_shard", "is torn: dcp/__1_0.distcp is missing"),
+])
+def test_explicit_unreadable_checkpoint_is_an_error(reference, tmp_path, how, message):
+    path = tmp_path / "ck" / "step-00000006"
+    if how != "missing":
+        copy_checkpoint(reference[0], 6, tmp_path)
+        corrupt(path, how)
+    # the check launch/train.sh runs before torchrun; parallel.train runs the same one first
+    result = subprocess.run([sys.executable, "-m", "parallel.config", *job_args(
+        tmp_path, f"checkpoint.load={json.dumps(str(path))}"), "--world-size", "2"], cwd=ROOT,
+        env=env(), text=True, capture_output=True, timeout=120)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert f"config error: checkpoint.load: {path}" in result.stderr and message in result.stderr
+    assert "step " not in result.stdout
+
+
+def test_latest_skips_torn_and_partial_directories(reference, tmp_path):
+    for step in (4, 6, 8):
+        shutil.copytree(reference[0] / "ck" / "step-00000006", store.step_dir(tmp_path, step))
+    corrupt(store.step_dir(tmp_path, 8), "missing_shard")
+    (store.temp_dir(tmp_path, 10) / "dcp").mkdir(parents=True)
+    warnings = []
+    path, info = store.latest(tmp_path, warnings.append)
+    assert path == store.step_dir(tmp_path, 6) and info["step"] == 6
+    assert len(warnings) == 2
+    assert str(store.temp_dir(tmp_path, 10)) in warnings[0] and "partial" in warnings[0]
+    assert f"{store.step_dir(tmp_path, 8)} is torn" in warnings[1]
+    assert store.latest(tmp_path / "nothing") is None
+
+
+def _hung_peer(rank: int, port: int, started) -> None:
+    from parallel.runtime import CollectivePhase, CollectiveTimeout, init_runtime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    started.wait()  # both ranks join the group together, well within the timeout
+    runtime = init_runtime(timeout_s=3)
+    if rank == 1:
+        time.sleep(10)  # hangs: never joins the all-reduce
+        return
+    with pytest.raises(CollectiveTimeout) as error:
+        with CollectivePhase(3, rank)("step 3: the loss all-reduce"):
+            runtime.mean_over_ranks(1.0)
+    assert "rank 0: a collective in step 3: the loss all-reduce waited longer than " \
+           "parallel.timeout_s = 3 s" in str(error.value)
+    assert "Timed out" in str(error.value)  # gloo's own message follows
+
+
+@pytest.mark.distributed
+def test_hung_rank_times_out_with_the_collective_named():
+    """parallel.timeout_s reaches the process group: without it gloo would wait 30 minutes."""
+    mp.spawn(_hung_peer, args=(free_port(), mp.get_context("spawn").Barrier(2)), nprocs=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_deepspeed_resumes_from_its_own_checkpoint(tmp_path):
+    args = ["parallel.deepspeed_config=configs/deepspeed/zero2.json", "train.steps=6",
+            "checkpoint.every=3"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    run(["bash", "launch/deepspeed.sh", *job_args(first, *args)])
+    assert (store.step_dir(first / "ck", 3) / "deepspeed" / "mp_rank_00_model_states.pt").is_file()
+    copy_checkpoint(first, 3, second)
+    result = run(["bash", "launch/deepspeed.sh", *job_args(second, *args)])
+    assert "resumed from step 3" in result.stdout
+    ref, resumed = losses(first), losses(second)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[step] == ref[step] for step in resumed), (resumed, ref)
