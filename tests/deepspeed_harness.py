@@ -1,6 +1,6 @@
 """Shared pieces of the DeepSpeed tests: device/backend choice, configs, models, a plain-torch reference.
 
-Device: as `tests/multiprocess` chooses it: CPU with gloo (DS_ACCELERATOR=cpu) by default, CUDA
+Device: as `tests/spawn_ranks` chooses it: CPU with gloo (DS_ACCELERATOR=cpu) by default, CUDA
 with NCCL, each rank on its local GPU, with SHARDNORM_TEST_DEVICE=cuda.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multiprocess import DEVICE, rank_device
+from spawn_ranks import DEVICE, rank_device
 
 if DEVICE == "cpu":
     os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
@@ -27,7 +27,7 @@ def load_config(name: str) -> dict:
 
 
 def use_test_device(rank: int) -> torch.device:
-    """`multiprocess.rank_device`, with deepspeed.comm set up on the default group."""
+    """`spawn_ranks.rank_device`, with deepspeed.comm set up on the default group."""
     import deepspeed
 
     device = rank_device(rank)

@@ -1,7 +1,7 @@
 """Shared pieces of the FSDP tests: the main job's Llama-style model and engine at a tiny size, fresh
 random token batches, the single-process reference run and full-parameter comparison.
 
-Device: `multiprocess.DEVICE` / `rank_device`: gloo on CPU, or NCCL on CUDA with
+Device: `spawn_ranks.DEVICE` / `rank_device`: gloo on CPU, or NCCL on CUDA with
 SHARDNORM_TEST_DEVICE=cuda and >= 2 GPUs.
 """
 

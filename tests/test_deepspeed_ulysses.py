@@ -15,7 +15,7 @@ from torch import nn
 
 from deepspeed_harness import (HIDDEN, LlamaRMSNorm, full_params, load_config, loss_fn, mean_over_ranks,
                                micro_batches, rel_err, train_reference, use_test_device)
-from multiprocess import spawn
+from spawn_ranks import spawn
 
 deepspeed = pytest.importorskip("deepspeed")
 

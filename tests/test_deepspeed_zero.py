@@ -11,7 +11,7 @@ import pytest
 
 from deepspeed_harness import (config_adamw, full_params, load_config, loss_fn, mean_over_ranks, micro_batches,
                                norm_model, rel_err, train_reference, use_test_device)
-from multiprocess import spawn
+from spawn_ranks import spawn
 
 deepspeed = pytest.importorskip("deepspeed")
 

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from deepspeed_harness import load_config, use_test_device
-from multiprocess import spawn
+from spawn_ranks import spawn
 
 deepspeed = pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")

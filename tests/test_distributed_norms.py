@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from conftest import rel_err
-from multiprocess import DEVICE, spawn
+from spawn_ranks import DEVICE, spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module

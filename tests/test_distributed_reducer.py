@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import rel_err
-from multiprocess import DEVICE, rank_device, spawn
+from spawn_ranks import DEVICE, rank_device, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor

@@ -14,7 +14,7 @@ import pytest
 import torch
 from fsdp_harness import (TRAIN, TorchEngine, assert_grads_match, assert_matches, full_params,
                           make_model, rank_rows, reference, step_grads, token_batches, train)
-from multiprocess import DEVICE, rank_device, spawn
+from spawn_ranks import DEVICE, rank_device, spawn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh

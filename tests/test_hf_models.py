@@ -259,7 +259,7 @@ def _dtensor_body(rank, world_size):
 
 @pytest.mark.distributed
 def test_dtensor_parameters_are_refused():
-    from multiprocess import spawn
+    from spawn_ranks import spawn
 
     spawn(_dtensor_body, 1)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import spawn
+from spawn_ranks import spawn
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import spawn
+from spawn_ranks import spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,21 +27,6 @@ STEPS, GAS, SEQ, TOL = 5, 2, 8, 1e-5
 
 
 def _import_trainer():
-    """`transformers.Trainer` imports `datasets`, which imports the `multiprocess` package; these tests import
-    tests/multiprocess.py under that name. Import `datasets` once against the real package."""
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    ours = sys.modules.pop("multiprocess", None)
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    try:
-        import datasets  # noqa: F401
-    finally:
-        sys.path[:] = saved
-        sys.modules.pop("multiprocess", None)
-        if ours is not None:
-            sys.modules["multiprocess"] = ours
     from transformers import Trainer
 
     return Trainer

@@ -7,7 +7,7 @@ pytest.importorskip("lightning")
 
 from conftest import rel_err  # noqa: E402
 from fsdp_harness import CFG, make_model, token_batches  # noqa: E402
-from multiprocess import spawn  # noqa: E402
+from spawn_ranks import spawn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from parallel.engines import cross_entropy  # noqa: E402

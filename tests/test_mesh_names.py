@@ -3,7 +3,7 @@
 import pytest
 import torch
 from fsdp_harness import assert_grads_match, make_model, rank_rows, step_grads, token_batches
-from multiprocess import spawn
+from spawn_ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardnorm.fsdp

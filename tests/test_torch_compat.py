@@ -6,7 +6,7 @@ FSDP checkpoints or the FSDP1 policy in some longer test.
 
 import pytest
 import torch
-from multiprocess import DEVICE, rank_device, spawn
+from spawn_ranks import DEVICE, rank_device, spawn
 from torch import nn
 
 from shardnorm import _torch_compat as compat

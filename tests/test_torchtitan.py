@@ -9,26 +9,6 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-
-def _import_datasets_past_tests_multiprocess() -> None:
-    """torchtitan's trainer imports `datasets`, which needs the `multiprocess` package; pytest puts tests/
-    on sys.path, where tests/multiprocess.py (the spawn helper) shadows it. Import `datasets` with the
-    real package, then give the name back to whichever module held it."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    held = sys.modules.pop("multiprocess", None)
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != tests_dir]
-    try:
-        import datasets  # noqa: F401
-    finally:
-        sys.path[:] = saved
-        sys.modules.pop("multiprocess", None)
-        if held is not None:
-            sys.modules["multiprocess"] = held
-
-
-_import_datasets_past_tests_multiprocess()
-
 from torchtitan.models.common import RMSNorm as TitanRMSNorm  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
