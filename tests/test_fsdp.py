@@ -17,6 +17,7 @@ from fsdp_harness import (TRAIN, TorchEngine, assert_grads_match, assert_matches
 from spawn_ranks import DEVICE, rank_device, spawn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import Replicate, distribute_tensor
@@ -174,6 +175,17 @@ def _dp_tp2(rank, world_size, seed, path):
     ref_grads = step_grads(make_model(seed, "cpu"), batches[0])
     grads = step_grads(_shard_main_job(seed, mesh, device), rank_rows(batches[0], dp_rank, device))
     assert_grads_match("FSDP2 × TP", grads, ref_grads)
+    # built on the meta device, parallelized, then materialized (torchtitan's order): the reducer's
+    # buckets must land on the real device (they stayed on meta and the norm grads came out zero)
+    meta = parallelize(make_model(seed, "meta"), mesh, TRAIN)
+    meta.to_empty(device=device)
+    real = make_model(seed, "cpu")
+    set_model_state_dict(meta, real.state_dict(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():  # the rope tables are not in the state dict
+        for (_, buf), (_, value) in zip(meta.named_buffers(), real.named_buffers()):
+            buf.copy_(value)
+    assert_grads_match("FSDP2 × TP built on meta", step_grads(meta, rank_rows(batches[0], dp_rank, device)),
+                       ref_grads)
     model = _shard_main_job(seed, mesh, device)
     _check_fsdp2_units(model, ["layers.0", "layers.1"])
     reducer = model._shardnorm_reducer

@@ -1,5 +1,5 @@
 """Run torchtitan 0.3's own trainer (`torchtitan.train.main`), stock or with shardnorm, and record per step
-the loss and the all-reduces of forward + backward: on CPU with gloo for tests/test_torchtitan.py, on
+the loss, the grad norm (torchtitan's, before clipping) and the all-reduces of forward + backward: on CPU with gloo for tests/test_torchtitan.py, on
 GPUs with NCCL for benchmarks/gpu_torchtitan.sh (TORCHTITAN_RUNNER_DEVICE=cuda).
 
 torchtitan 0.3 cannot start on a machine without an accelerator: `torchtitan.tools.utils` picks
@@ -140,7 +140,7 @@ def main(out_path: str) -> None:
     from torchtitan.trainer import Trainer
     from torchtitan import train
 
-    record = {"loss": [], "fwd_bwd_all_reduces": [], "reducer_collectives": [], **record_extra}
+    record = {"loss": [], "grad_norm": [], "fwd_bwd_all_reduces": [], "reducer_collectives": [], **record_extra}
     fwd_bwd, log = Trainer.forward_backward_step, MetricsProcessor.log
     step_counts: list[int] = []
 
@@ -152,6 +152,7 @@ def main(out_path: str) -> None:
 
     def logged(self, step, loss, *args, **kwargs):
         record["loss"].append(float(loss))
+        record["grad_norm"].append(float(args[1]))  # log(step, loss, max_loss, grad_norm): before clipping
         record["fwd_bwd_all_reduces"].append(sum(step_counts))
         step_counts.clear()
         reducer = getattr(self.model_parts[0], "_shardnorm_reducer", None)

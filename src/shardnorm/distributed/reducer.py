@@ -71,6 +71,7 @@ class NormGradReducer:
         self.buckets: list[_Bucket] = []
         self._slots: dict[int, _Slot] = {}  # id(param) -> slot; the slot keeps the param alive
         self._staged: list[_Slot] = []  # seen but not yet laid out in a bucket
+        self._unmaterialized: list[tuple[list, object]] = []  # registered while on the meta device
         self._late: list[tuple[_Slot, torch.Tensor]] = []  # arrived after their bucket was launched
         self._per_layer: list[tuple[object, torch.Tensor, list[_Slot]]] = []
         self._backward_task: int | None = None  # autograd graph task whose end we wait for
@@ -110,10 +111,15 @@ class NormGradReducer:
             self._begin_backward(task)
 
     def register(self, params: list, group) -> None:
-        """Lay these parameters out now, in this order (harvested sources, whose params are known up front)."""
+        """Lay these parameters out now, in this order (harvested sources, whose params are known up front).
+
+        Parameters still on the meta device (a model built there and materialized later, as torchtitan and
+        HF's low-memory loading do) are laid out, in the same order, at the first backward after that."""
+        if any(_local(p).is_meta for p in params):
+            self._unmaterialized.append((list(params), group))
+            return
         for p in params:
-            local = p.to_local() if isinstance(p, DTensor) else p
-            self._slot(p, local, group)
+            self._slot(p, _local(p), group)
         self._lay_out_staged()
 
     def add(self, params: list, grads: list[torch.Tensor], group) -> None:
@@ -158,7 +164,19 @@ class NormGradReducer:
                              f"two different process groups; use one reducer per shard group")
         return slot
 
+    def _materialize(self) -> None:
+        """Lay out what `register` got on the meta device, now that the model holds real storage."""
+        pending, self._unmaterialized = self._unmaterialized, []
+        for params, group in pending:
+            if any(_local(p).is_meta for p in params):
+                raise RuntimeError("shardnorm: norm parameters are still on the meta device at the first backward; "
+                                   "materialize the model (e.g. `model.to_empty(device=...)` and its weight init) "
+                                   "before training")
+            self.register(params, group)
+
     def _begin_backward(self, task: int) -> None:
+        if self._unmaterialized:
+            self._materialize()
         self._backward_task = task
         self._syncing = not self.accumulating
         for b in self.buckets:
@@ -237,6 +255,8 @@ class NormGradReducer:
     def finalize(self) -> None:
         """Take in what the source holds, reduce whatever has not been reduced yet, wait for all of it, and
         add it to `.grad`. Idempotent."""
+        if self._unmaterialized:
+            self._materialize()
         for param, partial in self.source.harvest():
             self._accumulate(self._slots[id(param)], partial)
         self._finish_per_layer()
@@ -257,6 +277,10 @@ class NormGradReducer:
                 _accumulate_grad(s.param, s.data)
                 s.data.zero_()
                 s.touched = False
+
+
+def _local(param) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _add_into(slots: list[_Slot], flat: torch.Tensor) -> None:
