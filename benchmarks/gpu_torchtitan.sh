@@ -45,7 +45,7 @@ PY
 run() {  # case norm extra-args...
     local case=$1 norm=$2; shift 2
     local log="$OUT/torchtitan_${case}_${norm}.log"
-    timeout 240 python3 -m torch.distributed.run --nproc_per_node=2 --master_port=$((29500 + RANDOM % 1000)) \
+    timeout "${RUN_TIMEOUT:-240}" python3 -m torch.distributed.run --nproc_per_node=2 --master_port=$((29500 + RANDOM % 1000)) \
         -m tests.torchtitan_runner "$OUT/torchtitan_${case}_${norm}.json" --module tests.torchtitan_runner \
         --config "${norm}_debugmodel" --hf_assets_path "$WORK/tokenizer" --dataloader.dataset_path "$WORK/c4_test" \
         --training.seq_len "$SEQ" --training.local_batch_size 4 --training.global_batch_size "$GLOBAL" \
