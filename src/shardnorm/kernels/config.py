@@ -194,7 +194,7 @@ FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8,
 # it beats the split backward and the clusters. Empty until a GPU run measures it
 # (benchmarks/gpu_longrow.py); `SHARDNORM_LONG_BWD=coop` runs COOP_BWD_DEFAULT for every long row.
 COOP_BWD = {}
-COOP_BWD_DEFAULT = CoopBwdConfig(slice_n=8192, block_m=1, num_warps=16)
+COOP_BWD_DEFAULT = CoopBwdConfig(slice_n=4096, block_m=1, num_warps=16)  # no spill, LN and RMS (ptxas -v, sm_90)
 
 
 @functools.lru_cache(maxsize=None)
