@@ -33,14 +33,15 @@ REF_ROWS = 256  # rows of dx compared in float64 at each of the start, middle an
 
 def candidates() -> dict:
     """name -> backward config: the split default, then cooperative ones (slice columns x rows per
-    exchange, warps, programs per SM); register use from a local sm_90 compile (ptxas -v) in the names'
-    comments: none of these spill except 8192 x 32 warps (LN 104 bytes)."""
+    exchange, warps, programs per SM, lookahead); register use from a local sm_90 compile (Triton 3.9's
+    ptxas -v): 2 per SM only where two fit."""
     from shardnorm.kernels import config
     coop = config.CoopBwdConfig
     return {
         "split": config.BWD_SPLIT,
-        "coop_4096x1_w16": coop(4096, 1, 16),  # 128 regs (LN), 1 program per SM; COOP_BWD_DEFAULT
-        "coop_4096x1_w16_nolook": coop(4096, 1, 16, lookahead=False),
+        "coop_4096x1_w16": coop(4096, 1, 16),  # COOP_BWD_DEFAULT: loads of the next block in flight during the wait
+        "coop_4096x1_w16_publish_ahead": coop(4096, 1, 16, lookahead=1),
+        "coop_4096x1_w16_wait_first": coop(4096, 1, 16, lookahead=0),
         "coop_4096x1_w16_plain_launch": coop(4096, 1, 16, cooperative=False),  # what the cooperative launch costs
         "coop_2048x1_w8_2sm": coop(2048, 1, 8, programs_per_sm=2),  # 128 regs: 2 per SM fit
         "coop_2048x1_w4_2sm": coop(2048, 1, 4, programs_per_sm=2),  # 199 regs: 2 per SM fit

@@ -18,9 +18,12 @@ bwd_module = sys.modules["shardnorm.kernels.norm_bwd"]
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="slices wait on each other: the interpreter runs programs in turn")
 C = config.CoopBwdConfig
-# Candidates the GPU benchmark measures, by kind: slices of 4096 / 8192 columns, 1-2 rows per exchange.
-GPU_CONFIGS = {"8192x1": C(8192, 1, 16), "4096x2": C(4096, 2, 16), "8192x1_no_lookahead": C(8192, 1, 16, lookahead=False),
-               "4096x1_2_per_sm": C(4096, 1, 8, programs_per_sm=2)}
+# Candidates benchmarks/gpu_longrow.py measures: slice columns x rows per exchange, warps, programs per SM
+# (2 per SM only where a local sm_90 compile leaves room for two: 128 registers at 8 warps).
+GPU_CONFIGS = {"4096x1": C(4096, 1, 16), "4096x1_wait_first": C(4096, 1, 16, lookahead=0),
+               "4096x1_publish_ahead": C(4096, 1, 16, lookahead=1),
+               "4096x1_plain_launch": C(4096, 1, 16, cooperative=False),
+               "2048x1_2_per_sm": C(2048, 1, 8, programs_per_sm=2), "2048x2": C(2048, 2, 8), "8192x1": C(8192, 1, 32)}
 
 
 @pytest.fixture
@@ -64,7 +67,7 @@ def _device():
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("lookahead", [False, True], ids=["wait_first", "lookahead"])
+@pytest.mark.parametrize("lookahead", [0, 1, 2], ids=["wait_first", "publish_ahead", "prefetch"])
 @pytest.mark.parametrize("rows,block_m", [(1, 1), (7, 2), (2 * config.INTERPRETER_SM_COUNT + 3, 1)])
 def test_single_slice(monkeypatch, force, workspaces, rms, lookahead, rows, block_m):
     """One slice (N <= SLICE_N) on either backend: more row blocks than groups, a partial last block,
@@ -179,7 +182,7 @@ def test_bitwise_deterministic_and_graph_replay(monkeypatch, rms):
 @needs_gpu
 def test_grid_larger_than_resident_is_refused(monkeypatch, force):
     """More programs per SM than fit: the cooperative launch raises instead of hanging."""
-    force(C(slice_n=16384, block_m=4, num_warps=32, programs_per_sm=8))
+    force(C(slice_n=16384, block_m=1, num_warps=32, programs_per_sm=8))  # <= 2 per SM fit
     dy, x, w, b, mean, rstd = _bwd_inputs(4096, 65536, True)
     with pytest.raises(Exception):
         bwd_module.norm_bwd(dy, None, x, w, mean, rstd, False, True, False)

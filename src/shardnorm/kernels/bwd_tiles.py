@@ -14,17 +14,40 @@ def _row_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, s
     """Load the tile of row block `block` and columns `cols`; return its rows (int64), row mask and
     tile mask, and (xhat, dy, w * dy, rstd), all fp32, zero outside the mask. The weights are read
     here, after x and dy, unless the caller holds them (PARAMS_LOADED: w)."""
+    rows64, row_mask, mask, x, dy, mean, rstd = _load_tile(SRC, DY, MEAN, RSTD, block, cols, col_mask, M, stride_src,
+                                                           stride_dy, BLOCK_M, IS_RMS)
+    xhat, dy, wdy = _tile_values(x, dy, mean, rstd, mask, W, w, cols, col_mask, IS_RMS, HAS_WEIGHT, ZERO_CENTERED,
+                                 PARAMS_LOADED)
+    return rows64, row_mask, mask, xhat, dy, wdy, rstd
+
+
+@triton.jit
+def _load_tile(SRC, DY, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
+               IS_RMS: tl.constexpr):
+    """The loads of `_row_tile`: x and dy as stored, the rows' mean (LayerNorm; else rstd again) and
+    rstd. Apart so that a caller can have them in flight across a wait before using them."""
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows64 = rows.to(tl.int64)
     mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(SRC + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(SRC + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
     rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+    mean = rstd
+    if not IS_RMS:
+        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+    return rows64, row_mask, mask, x, dy, mean, rstd
+
+
+@triton.jit
+def _tile_values(x, dy, mean, rstd, mask, W, w, cols, col_mask, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                 ZERO_CENTERED: tl.constexpr, PARAMS_LOADED: tl.constexpr):
+    """The math of `_row_tile` on loaded x, dy: (xhat, dy, w * dy) in fp32."""
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
     if IS_RMS:
         xhat = x * rstd[:, None]
     else:
-        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
     if not PARAMS_LOADED:
         w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
@@ -32,7 +55,7 @@ def _row_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, s
         wdy = dy * w[None, :]
     else:
         wdy = dy
-    return rows64, row_mask, mask, xhat, dy, wdy, rstd
+    return xhat, dy, wdy
 
 
 @triton.jit

@@ -95,14 +95,15 @@ class SplitBwdConfig:
 class CoopBwdConfig:
     """The cooperative backward (`norm_bwd_coop.py`): column slices of slice_n columns, block_m rows
     per exchange, `programs_per_sm` resident programs per SM in all (slices x row groups);
-    lookahead: publish the next row block's sums before waiting for this one's; cooperative: launch
+    lookahead: 0 each block waits for its own sums, 1 the next block's sums are published before
+    this one's wait, 2 the next block's loads are in flight during the wait (norm_bwd_coop.py); cooperative: launch
     through the driver's cooperative launch, which refuses a grid that cannot be resident at once
     (instead of a hang)."""
     slice_n: int
     block_m: int
     num_warps: int
     programs_per_sm: int = 1
-    lookahead: bool = True
+    lookahead: int = 2
     cooperative: bool = True
 
 

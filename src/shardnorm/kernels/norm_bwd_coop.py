@@ -14,10 +14,12 @@ row block, all of which are resident (cooperative launch: the driver refuses a g
 and reach that block without waiting on anyone later. The interpreter runs programs one after
 another, so there only single-slice grids (C = 1, a program waits on itself) may run this kernel.
 
-Exchange slots and counters form a ring of RING per row group. LOOKAHEAD publishes row block i + 1
-before waiting for block i, so the exchange's round trip overlaps the next block's loads; a program
-can then be up to two blocks ahead of a slower one's read, and the fourth slot is the first that is
-free again. Counter `slot` counts the publications of its blocks (i // RING + 1 generations of C),
+Exchange slots and counters form a ring of RING per row group. LOOKAHEAD (0: load, publish, wait
+per block) 1: publish row block i + 1 before waiting for block i, so the exchange's round trip has a
+block of slack; a program can then be up to two blocks ahead of a slower one's read, and the fourth
+slot is the first that is free again. 2: issue block i + 1's loads, wait for block i, write its dx,
+then publish block i + 1's sums: the loads are in flight during the wait and the exchange reads (1
+waits on them before publishing, so nothing is in flight then). Counter `slot` counts the publications of its blocks (i // RING + 1 generations of C),
 so a fast slice's later blocks can never stand in for a slow one's. The last slice of a group to
 finish zeroes the group's counters, so every launch (a CUDA graph replay too) starts from zeros and
 no host-side epoch is needed; the workspace is one zeroed buffer per device and stream.
@@ -29,9 +31,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .bwd_tiles import _accumulate, _program_state, _row_tile, _store_dx, _store_partials
+from .bwd_tiles import _accumulate, _load_tile, _program_state, _row_tile, _store_dx, _store_partials, _tile_values
 
 RING = 4
+
+
+@triton.jit
+def _slice_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
+                IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """xhat, dy, w * dy and rstd of one row block's slice (`_row_tile`, the weights held)."""
+    rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M,
+                                                            stride_src, stride_dy, BLOCK_M, IS_RMS, HAS_WEIGHT,
+                                                            ZERO_CENTERED, True)
+    return xhat, dy, wdy, rstd
 
 
 @triton.jit
@@ -95,21 +107,24 @@ def coop_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, COUNTERS,
     col_mask = cols < N
     w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, True, BLOCK_M, SLICE_N)
     steps = tl.cdiv(tl.cdiv(M, BLOCK_M) - group, groups)
-    if LOOKAHEAD:
-        _, _, _, xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, w, MEAN, RSTD, group, cols, col_mask, M, stride_src,
-                                                 stride_dy, BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, True)
+    if LOOKAHEAD:  # block 0's sums go out before the loop
+        xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, group, cols, col_mask, M, stride_src, stride_dy,
+                                          BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
         _publish(xhat, wdy, EXCHANGE, COUNTERS, group, 0, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
     for step in range(0, steps):
         block = group + step * groups
-        if LOOKAHEAD:  # the next block's loads and sums go out before this block's wait
-            _, _, _, next_xhat, next_dy, next_wdy, next_rstd = _row_tile(
+        if LOOKAHEAD == 1:  # the next block's loads and sums go out before this block's wait
+            next_xhat, next_dy, next_wdy, next_rstd = _slice_tile(
                 SRC, DY, W, w, MEAN, RSTD, block + groups, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-                IS_RMS, HAS_WEIGHT, ZERO_CENTERED, True)
+                IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
             _publish(next_xhat, next_wdy, EXCHANGE, COUNTERS, group, step + 1, slice_id, num_slices, BLOCK_M,
                      IS_RMS, RING)
+        elif LOOKAHEAD == 2:  # only the next block's loads go out first: in flight during the wait
+            next_rows, next_row_mask, next_mask, next_x, next_dy, next_mean, next_rstd = _load_tile(
+                SRC, DY, MEAN, RSTD, block + groups, cols, col_mask, M, stride_src, stride_dy, BLOCK_M, IS_RMS)
         else:
-            _, _, _, xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src,
-                                                     stride_dy, BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, True)
+            xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy,
+                                              BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
             _publish(xhat, wdy, EXCHANGE, COUNTERS, group, step, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
         c1, c2 = _row_sums(EXCHANGE, COUNTERS, group, step, num_slices, N, BLOCK_M, SLICES, IS_RMS, RING)
         rows64 = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -120,8 +135,13 @@ def coop_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, COUNTERS,
             wdy = dy
         _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
         dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
-        if LOOKAHEAD:
+        if LOOKAHEAD == 1:
             xhat, dy, rstd = next_xhat, next_dy, next_rstd
+        elif LOOKAHEAD == 2:
+            xhat, dy, wdy = _tile_values(next_x, next_dy, next_mean, next_rstd, next_mask, W, w, cols, col_mask,
+                                         IS_RMS, HAS_WEIGHT, ZERO_CENTERED, True)
+            rstd = next_rstd
+            _publish(xhat, wdy, EXCHANGE, COUNTERS, group, step + 1, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
     _store_partials(dw_acc, db_acc, PARTIAL, group, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
     _leave(COUNTERS, group, num_slices, RING)
 
