@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 
-C = None  # config.CoopBwdConfig, after import in the processes that use CUDA
 SHAPES = [("layer", 16384, 14336, "bfloat16"), ("layer", 32768, 16384, "bfloat16"), ("layer", 32768, 32768, "bfloat16"),
           ("layer", 32768, 65536, "bfloat16"), ("rms", 32768, 32768, "bfloat16"), ("rms", 32768, 65536, "bfloat16"),
           ("layer", 32768, 32768, "float32"), ("rms", 32768, 65536, "float32")]
@@ -72,7 +71,8 @@ def reference(x, w, b, dy, rms):
     """float64: dx of the sampled rows, dgamma (and dbeta) over all rows, in row chunks on the GPU."""
     import torch
     m, n = x.shape
-    rows = sorted({*range(min(REF_ROWS, m)), *range(m // 2, min(m, m // 2 + REF_ROWS)), *range(max(0, m - REF_ROWS), m)})
+    rows = sorted({*range(min(REF_ROWS, m)), *range(m // 2, min(m, m // 2 + REF_ROWS)),
+                   *range(max(0, m - REF_ROWS), m)})
     dw = torch.zeros(n, dtype=torch.float64, device=x.device)
     db = torch.zeros_like(dw)
     dx = []
@@ -244,7 +244,7 @@ def main():
     jobs = sorted({(norm, n, wd, name) for norm, _, n, wd in shapes for name in names})
     with multiprocessing.get_context("spawn").Pool(min(12, len(jobs))) as pool:
         try:
-            for msg in pool.map_async(compile_one, jobs, chunksize=1).get(timeout=150):
+            for msg in pool.map_async(compile_one, jobs, chunksize=1).get(timeout=120):
                 if msg:
                     print(f"  compile: {msg}", flush=True)
         except multiprocessing.TimeoutError:
@@ -257,12 +257,11 @@ def main():
             print(f"{shape[0]} {shape[1]} x {shape[2]} weights {shape[3]}", flush=True)
             got, copy_gbs = run_shape(shape, names, args.timeout, copy_gbs, log, meta)
             rows += got
-            with open(os.path.join(args.out, "longrow.json"), "w") as f:
+            with open(os.path.join(args.out, "longrow.json"), "w") as f:  # after every shape: a kill keeps them
                 json.dump(dict(gpu=meta["gpu"], copy_gbs=copy_gbs, rows=rows), f, indent=1)
-    md = markdown(rows, copy_gbs, meta["gpu"])
-    with open(os.path.join(args.out, "longrow.md"), "w") as f:
-        f.write(md)
-    print(md, flush=True)
+            with open(os.path.join(args.out, "longrow.md"), "w") as f:
+                f.write(markdown(rows, copy_gbs, meta["gpu"]))
+    print(markdown(rows, copy_gbs, meta["gpu"]), flush=True)
     print(f"total {time.monotonic() - start:.0f} s", flush=True)
 
 

@@ -19,7 +19,8 @@ per block) 1: publish row block i + 1 before waiting for block i, so the exchang
 block of slack; a program can then be up to two blocks ahead of a slower one's read, and the fourth
 slot is the first that is free again. 2: issue block i + 1's loads, wait for block i, write its dx,
 then publish block i + 1's sums: the loads are in flight during the wait and the exchange reads (1
-waits on them before publishing, so nothing is in flight then). Counter `slot` counts the publications of its blocks (i // RING + 1 generations of C),
+waits on them before publishing, so nothing is in flight then). Counter `slot` counts the
+publications of its blocks (i // RING + 1 generations of C),
 so a fast slice's later blocks can never stand in for a slow one's. The last slice of a group to
 finish zeroes the group's counters, so every launch (a CUDA graph replay too) starts from zeros and
 no host-side epoch is needed; the workspace is one zeroed buffer per device and stream.
@@ -31,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .bwd_tiles import _accumulate, _load_tile, _program_state, _row_tile, _store_dx, _store_partials, _tile_values
+from .bwd_tiles import (_accumulate, _load_tile, _program_state, _row_tile, _store_dx, _store_partials,
+                        _tile_values)
 
 RING = 4
 
@@ -123,8 +125,8 @@ def coop_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, COUNTERS,
             next_rows, next_row_mask, next_mask, next_x, next_dy, next_mean, next_rstd = _load_tile(
                 SRC, DY, MEAN, RSTD, block + groups, cols, col_mask, M, stride_src, stride_dy, BLOCK_M, IS_RMS)
         else:
-            xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy,
-                                              BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+            xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src,
+                                              stride_dy, BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
             _publish(xhat, wdy, EXCHANGE, COUNTERS, group, step, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
         c1, c2 = _row_sums(EXCHANGE, COUNTERS, group, step, num_slices, N, BLOCK_M, SLICES, IS_RMS, RING)
         rows64 = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
