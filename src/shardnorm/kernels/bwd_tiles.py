@@ -72,6 +72,18 @@ def _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, stride_dx, st
 
 
 @triton.jit
+def _column_program(W, N, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr, HOIST_PARAMS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (column tile t, row group g) of a 2-D grid: t, g, its columns, their mask and its
+    state across row blocks (`_program_state`)."""
+    tile = tl.program_id(0)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, BLOCK_M, BLOCK_N)
+    return tile, tl.program_id(1), cols, col_mask, w, dw_acc, db_acc
+
+
+@triton.jit
 def _program_state(W, cols, col_mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                    HOIST_PARAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """What a backward program keeps across its row blocks: the weights of its columns when

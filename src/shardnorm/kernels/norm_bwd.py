@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from . import config
-from .bwd_tiles import _accumulate, _program_state, _row_tile, _store_dx, _store_partials
+from .bwd_tiles import _accumulate, _column_program, _program_state, _row_tile, _store_dx, _store_partials
 from .launch import Launcher
 from .norm_bwd_coop import RING, coop_bwd_kernel, workspace
 
@@ -79,12 +79,9 @@ def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, strid
     """Split backward, pass 1. Program (t, g) takes column tile t of row groups g, g + G, ...: per row
     it writes the tile's sums of xhat*w*dy and w*dy (LayerNorm) to ROW_SUMS[0|1, row, t]; it keeps the
     tile's dgamma/dbeta sums in registers and writes them as row g of the partial buffer."""
-    tile = tl.program_id(0)
+    tile, group, cols, col_mask, w, dw_acc, db_acc = _column_program(W, N, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS,
+                                                                     BLOCK_M, BLOCK_N)
     num_tiles = tl.num_programs(0)
-    group = tl.program_id(1)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, BLOCK_M, BLOCK_N)
     for block in tl.range(group, tl.cdiv(M, BLOCK_M), tl.num_programs(1), num_stages=NUM_STAGES):
         rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
             SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bwd_tiles import (_accumulate, _load_tile, _program_state, _row_tile, _store_dx, _store_partials,
+from .bwd_tiles import (_accumulate, _column_program, _load_tile, _row_tile, _store_dx, _store_partials,
                         _tile_values)
 
 RING = 4
@@ -101,13 +101,10 @@ def coop_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, COUNTERS,
                     HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr,
                     SLICE_N: tl.constexpr, SLICES: tl.constexpr, LOOKAHEAD: tl.constexpr, RING: tl.constexpr):
     """Program (slice c, group g) walks row blocks g, g + G, ... of columns [c * SLICE_N, +SLICE_N)."""
-    slice_id = tl.program_id(0)
+    slice_id, group, cols, col_mask, w, dw_acc, db_acc = _column_program(W, N, HAS_WEIGHT, ZERO_CENTERED, True,
+                                                                         BLOCK_M, SLICE_N)
     num_slices = tl.num_programs(0)
-    group = tl.program_id(1)
     groups = tl.num_programs(1)
-    cols = slice_id * SLICE_N + tl.arange(0, SLICE_N)
-    col_mask = cols < N
-    w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, True, BLOCK_M, SLICE_N)
     steps = tl.cdiv(tl.cdiv(M, BLOCK_M) - group, groups)
     if LOOKAHEAD:  # block 0's sums go out before the loop
         xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, group, cols, col_mask, M, stride_src, stride_dy,
