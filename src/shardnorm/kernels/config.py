@@ -26,6 +26,7 @@ recompilation (M is a runtime argument marked `do_not_specialize`).
 """
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Union
 
@@ -90,7 +91,23 @@ class SplitBwdConfig:
     dx: TileConfig
 
 
-BwdConfig = Union[TileConfig, SplitBwdConfig]
+@dataclass(frozen=True)
+class CoopBwdConfig:
+    """The cooperative backward (`norm_bwd_coop.py`): column slices of slice_n columns, block_m rows
+    per exchange, `programs_per_sm` resident programs per SM in all (slices x row groups);
+    lookahead: 0 each block waits for its own sums, 1 the next block's sums are published before
+    this one's wait, 2 the next block's loads are in flight during the wait (norm_bwd_coop.py); cooperative: launch
+    through the driver's cooperative launch, which refuses a grid that cannot be resident at once
+    (instead of a hang)."""
+    slice_n: int
+    block_m: int
+    num_warps: int
+    programs_per_sm: int = 1
+    lookahead: int = 2
+    cooperative: bool = True
+
+
+BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig]
 
 # Large-N paths, from the H100 sweeps (benchmarks/NOTES.md, v5, v7). fp32 weight and bias are read
 # again for every chunk; two rows per tile halve that (LayerNorm fp32 32768: 61% -> 75% of copy).
@@ -174,16 +191,28 @@ FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8,
              2048: (1, 4, 4, 1), 4096: (1, 8, 2, 1), 8192: (1, 16, 1, 1), 16384: (1, 16, 2, 1)}
 
 
+# Cooperative backward for long rows (NOTES.md v10), by (next_pow2(N), weight bytes, RMSNorm): where
+# it beats the split backward and the clusters. Empty until a GPU run measures it
+# (benchmarks/gpu_longrow.py); `SHARDNORM_LONG_BWD=coop` runs COOP_BWD_DEFAULT for every long row.
+COOP_BWD = {}
+COOP_BWD_DEFAULT = CoopBwdConfig(slice_n=4096, block_m=1, num_warps=16)  # no spill, LN and RMS (ptxas -v, sm_90)
+
+
 @functools.lru_cache(maxsize=None)
 def bwd_config(n: int, num_partials: int, param_size: int = 2, rms: bool = False,
-               clusters: bool = False) -> BwdConfig:
+               clusters: bool = False, coop: str = "") -> BwdConfig:
     """num_partials: dgamma and/or dbeta; param_size: bytes per weight element; rms: RMSNorm (one row
-    sum per row, no dbeta); clusters: as in fwd_config."""
+    sum per row, no dbeta); clusters: as in fwd_config; coop: `coop_mode`'s answer ("": never the
+    cooperative backward, "table": where COOP_BWD has it, "force": for every long row)."""
     block_n = next_pow2(n)
     main_n, tail_n = row_tiles(n)
     if rms and param_size == 2 and main_n == 4096 and tail_n in (512, 1024):
         return TileConfig(**BWD_TAIL_RMS, tail_n=tail_n)
     if n > MAX_FUSED_N_BWD[num_partials]:
+        if coop == "force":
+            return COOP_BWD_DEFAULT
+        if coop and (block_n, param_size, rms) in COOP_BWD:
+            return COOP_BWD[block_n, param_size, rms]
         return CLUSTER_BWD.get((block_n, param_size), BWD_SPLIT) if clusters else BWD_SPLIT
     if block_n < 64:  # rows of a few elements: the 64-column tile size
         return TileConfig(block_m=4096 // block_n, block_n=block_n, num_warps=8, programs_per_sm=2)
@@ -200,12 +229,27 @@ def row_groups(cfg: SplitBwdConfig, m: int, n: int, sm_count: int) -> int:
     return max(1, min(wanted, cdiv(m, cfg.row_sums.block_m)))
 
 
+def coop_groups(cfg: CoopBwdConfig, m: int, n: int, sm_count: int) -> int:
+    """Row groups G of the cooperative backward: as many as keep all G x C programs resident
+    (`programs_per_sm` per SM), at most one per row block, at least one."""
+    return max(1, min(sm_count * cfg.programs_per_sm // cdiv(n, cfg.slice_n), cdiv(m, cfg.block_m)))
+
+
+def coop_fits(cfg: CoopBwdConfig, n: int, sm_count: int, interpreted: bool) -> bool:
+    """Whether the cooperative grid can run: all C slices of a row group resident (C <= programs), and
+    under the interpreter (which runs programs one at a time) a single slice, which waits on itself."""
+    slices = cdiv(n, cfg.slice_n)
+    return slices <= sm_count * cfg.programs_per_sm and (not interpreted or slices == 1)
+
+
 def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
     """Rows of the backward's fp32 [P, G*N] dgamma/dbeta partial buffer for M x N: one per row group
-    of the split backward, one per persistent program of the fused one (at least one: a zero partial
-    row when M == 0; at most one per row block)."""
+    of the split and cooperative backwards, one per persistent program of the fused one (at least
+    one: a zero partial row when M == 0; at most one per row block)."""
     if isinstance(cfg, SplitBwdConfig):
         return row_groups(cfg, m, n, sm_count)
+    if isinstance(cfg, CoopBwdConfig):
+        return coop_groups(cfg, m, n, sm_count)
     return cfg.programs(cdiv(m, cfg.block_m), sm_count)
 
 
@@ -214,6 +258,22 @@ def column_sum_block(k: int, sms: int) -> int:
     """Column tile of the dgamma/dbeta reduction over a [P, k] buffer: narrow for narrow buffers,
     so the reduction spreads over enough programs."""
     return min(256, max(32, next_pow2(cdiv(k, 2 * sms))))
+
+
+def coop_mode(device: torch.device) -> str:
+    """How long rows choose the cooperative backward on `device`: "" where it cannot run, else
+    "force" when SHARDNORM_LONG_BWD=coop (benchmarks, and the test suite on a GPU), else "table"."""
+    if not cooperative(device):
+        return ""
+    return "force" if os.environ.get("SHARDNORM_LONG_BWD") == "coop" else "table"
+
+
+@functools.lru_cache(maxsize=None)
+def cooperative(device: torch.device) -> bool:
+    """Whether long rows may take the cooperative backward on `device`: a CUDA GPU whose driver
+    launches cooperative grids (Triton's `launch_cooperative_grid`). Never under the interpreter
+    (CPU tensors), where a program waiting on another that has not run yet would hang."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 7
 
 
 def use_clusters(device: torch.device, rms: bool) -> bool:

@@ -30,12 +30,15 @@ def _spec(arg):
 class Launcher:
     """`kernel[grid](*args, num_warps=num_warps, num_ctas=num_ctas, **constexprs)` minus most of its
     host time. constexprs: all the kernel's constexpr parameters, which follow its runtime ones;
-    num_ctas > 1 launches each program as a thread-block cluster of that many CTAs. Built once per
+    num_ctas > 1 launches each program as a thread-block cluster of that many CTAs; cooperative, as a
+    cooperative grid (the compiled kernel carries the flag, so the cached path keeps it). Built once per
     launch configuration (the launchers' plans hold them), called with the runtime arguments."""
 
-    def __init__(self, kernel, num_warps: int, num_ctas: int = 1, **constexprs):
+    def __init__(self, kernel, num_warps: int, num_ctas: int = 1, cooperative: bool = False, **constexprs):
         self.kernel = kernel
         self.options = dict(num_warps=num_warps, num_ctas=num_ctas) if num_ctas > 1 else dict(num_warps=num_warps)
+        if cooperative:  # the driver's cooperative launch: all programs resident at once, or an error
+            self.options["launch_cooperative_grid"] = True
         self.constexprs = constexprs
         self.compiled = {}  # (device, *argument specs) -> CompiledKernel
         if isinstance(kernel, JITFunction):  # not the interpreter's InterpretedFunction

@@ -4,11 +4,14 @@ Rows that fit in registers take `norm_bwd_kernel`, one pass over x and dy: P per
 the row blocks grid-stride, write dx, and keep dgamma/dbeta partial sums in fp32 registers. Longer
 rows take the split backward: `row_sums_kernel` reads [BLOCK_M, BLOCK_N] tiles for the two per-row
 reductions dx needs (partial sums per column tile) and the dgamma/dbeta partials, then `dx_kernel`
-reads the tiles again and writes dx.
+reads the tiles again and writes dx. Where `config.COOP_BWD` says so, long rows take the cooperative
+backward instead (`norm_bwd_coop.py`): column slices of a row exchange their row sums through
+global memory, so x and dy are read once.
 
 Either way each program (row group) owns one row of a [P, G*N] fp32 partial buffer and writes it
 even when it got no rows; `column_sum_kernel` reduces that buffer over P in a fixed order.
-Deterministic (bitwise repeatable), no atomics, no locks.
+Deterministic (bitwise repeatable): no atomic adds into results (the cooperative backward's atomics
+only count who has published; the sums are added in a fixed order).
 """
 
 import functools
@@ -17,50 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.runtime.jit import JITFunction
+
 from . import config
+from .bwd_tiles import _accumulate, _column_program, _program_state, _row_tile, _store_dx, _store_partials
 from .launch import Launcher
-from .norm_fwd import _load_params
-
-
-@triton.jit
-def _row_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
-              IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-              PARAMS_LOADED: tl.constexpr):
-    """Load the tile of row block `block` and columns `cols`; return its rows (int64), row mask and
-    tile mask, and (xhat, dy, w * dy, rstd), all fp32, zero outside the mask. The weights are read
-    here, after x and dy, unless the caller holds them (PARAMS_LOADED: w)."""
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows64 = rows.to(tl.int64)
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(SRC + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
-    if IS_RMS:
-        xhat = x * rstd[:, None]
-    else:
-        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-    if not PARAMS_LOADED:
-        w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
-    if HAS_WEIGHT:
-        wdy = dy * w[None, :]
-    else:
-        wdy = dy
-    return rows64, row_mask, mask, xhat, dy, wdy, rstd
-
-
-@triton.jit
-def _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, stride_dx, stride_dz,
-              IS_RMS: tl.constexpr, HAS_DZ: tl.constexpr):
-    """dx = rstd * (w*dy - xhat * mean(xhat*w*dy) - mean(w*dy)), the last term for LayerNorm only."""
-    if IS_RMS:
-        dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
-    else:
-        dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-    if HAS_DZ:
-        dx += tl.load(DZ + rows64[:, None] * stride_dz + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+from .norm_bwd_coop import RING, coop_bwd_kernel, workspace
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -106,39 +71,6 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
         _store_partials(tail_dw, tail_db, PARTIAL, pid, tail_cols, tail_mask, N, HAS_WEIGHT, HAS_BIAS)
 
 
-@triton.jit
-def _program_state(W, cols, col_mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                   HOIST_PARAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """What a backward program keeps across its row blocks: the weights of its columns when
-    HOIST_PARAMS (else 1.0, and `_row_tile` reads them per tile) and zeroed dgamma/dbeta accumulators."""
-    w = 1.0
-    if HOIST_PARAMS:
-        w = _load_params(W, W, cols, col_mask, HAS_WEIGHT, False, ZERO_CENTERED)[0]
-    return w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-
-
-@triton.jit
-def _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """dgamma += dy * xhat, dbeta += dy, per column, over the tile's rows (kept per row until the end)."""
-    if HAS_WEIGHT:
-        dw_acc += dy * xhat
-    if HAS_BIAS:
-        db_acc += dy
-    return dw_acc, db_acc
-
-
-@triton.jit
-def _store_partials(dw_acc, db_acc, PARTIAL, row, cols, col_mask, N,
-                    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Row `row` of the partial buffer: [dgamma (N) | dbeta (N)], fp32, the columns `cols` of it."""
-    if HAS_WEIGHT:
-        dw_out = PARTIAL + row.to(tl.int64) * (N * (1 + HAS_BIAS))
-        tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-    if HAS_BIAS:
-        db_out = PARTIAL + row.to(tl.int64) * (N * (1 + HAS_WEIGHT)) + N * HAS_WEIGHT
-        tl.store(db_out + cols, tl.sum(db_acc, axis=0), mask=col_mask)
-
-
 @triton.jit(do_not_specialize=["M"])
 def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, stride_dy, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -147,12 +79,9 @@ def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, strid
     """Split backward, pass 1. Program (t, g) takes column tile t of row groups g, g + G, ...: per row
     it writes the tile's sums of xhat*w*dy and w*dy (LayerNorm) to ROW_SUMS[0|1, row, t]; it keeps the
     tile's dgamma/dbeta sums in registers and writes them as row g of the partial buffer."""
-    tile = tl.program_id(0)
+    tile, group, cols, col_mask, w, dw_acc, db_acc = _column_program(W, N, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS,
+                                                                     BLOCK_M, BLOCK_N)
     num_tiles = tl.num_programs(0)
-    group = tl.program_id(1)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, BLOCK_M, BLOCK_N)
     for block in tl.range(group, tl.cdiv(M, BLOCK_M), tl.num_programs(1), num_stages=NUM_STAGES):
         rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
             SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
@@ -211,14 +140,14 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias."""
     device = src.device
     plan = _plan(src.shape[1], weight.dtype if weight is not None else None, has_bias, dz is not None, rms,
-                 zero_centered, device, config.use_clusters(device, rms))
+                 zero_centered, device, config.use_clusters(device, rms), config.coop_mode(device))
     return plan(dy, dz, src, weight, mean, rstd)
 
 
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_centered: bool, device,
-          clusters: bool) -> "_BwdPlan":
-    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters)
+          clusters: bool, coop: str = "") -> "_BwdPlan":
+    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop)
 
 
 class _BwdPlan:
@@ -226,15 +155,25 @@ class _BwdPlan:
     chosen once, so a call does only what depends on the tensors (M, allocations, pointers). At small
     sizes the host time of a call is most of the backward's time (benchmarks/NOTES.md, v9)."""
 
-    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters):
+    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop):
         has_weight = weight_dtype is not None
         self.has_bias, self.row_sum_kinds = has_bias, 1 if rms else 2  # LayerNorm: two sums per row
         self.num_grads = int(has_weight) + int(has_bias)
         self.grad_dtype = weight_dtype if has_weight else torch.float32
-        self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters)
+        self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters,
+                                     coop)
         self.sms = config.sm_count(device)
+        interpreted = not isinstance(coop_bwd_kernel, JITFunction)
+        if isinstance(self.cfg, config.CoopBwdConfig) and not config.coop_fits(self.cfg, n, self.sms, interpreted):
+            self.cfg = config.BWD_SPLIT
         flags = dict(IS_RMS=rms, HAS_WEIGHT=has_weight, ZERO_CENTERED=zero_centered)
-        if isinstance(self.cfg, config.SplitBwdConfig):
+        if isinstance(self.cfg, config.CoopBwdConfig):
+            cfg = self.cfg
+            self.slices = config.cdiv(n, cfg.slice_n)
+            self.coop = Launcher(coop_bwd_kernel, cfg.num_warps, cooperative=cfg.cooperative, HAS_BIAS=has_bias,
+                                 HAS_DZ=has_dz, BLOCK_M=cfg.block_m, SLICE_N=cfg.slice_n,
+                                 SLICES=config.next_pow2(self.slices), LOOKAHEAD=cfg.lookahead, RING=RING, **flags)
+        elif isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx
             self.sum_tiles = config.cdiv(n, sums.block_n)
             self.row_sums = Launcher(row_sums_kernel, sums.num_warps, HAS_BIAS=has_bias, BLOCK_M=sums.block_m,
@@ -259,7 +198,13 @@ class _BwdPlan:
         partial_rows = config.partial_rows(self.cfg, M, N, self.sms)
         partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
         dz_stride = dz.stride(0) if dz is not None else 0
-        if isinstance(self.cfg, config.SplitBwdConfig):
+        if isinstance(self.cfg, config.CoopBwdConfig):
+            cfg = self.cfg
+            stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+            exchange, counters = workspace(device, stream, self.sms * cfg.programs_per_sm, cfg.block_m)
+            self.coop((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange, counters,
+                      src.stride(0), dy.stride(0), dz_stride, M, N)
+        elif isinstance(self.cfg, config.SplitBwdConfig):
             row_sums = torch.empty((self.row_sum_kinds, M, self.sum_tiles), dtype=torch.float32, device=device)
             if M or num_grads:
                 self.row_sums((self.sum_tiles, partial_rows), src, dy, weight, mean, rstd, row_sums, partial,
