@@ -38,14 +38,16 @@ def candidates() -> dict:
     coop = config.CoopBwdConfig
     return {
         "split": config.BWD_SPLIT,
-        "coop_4096x1_w16": coop(4096, 1, 16),  # COOP_BWD_DEFAULT: loads of the next block in flight during the wait
-        "coop_4096x1_w16_publish_ahead": coop(4096, 1, 16, lookahead=1),
-        "coop_4096x1_w16_wait_first": coop(4096, 1, 16, lookahead=0),
-        "coop_4096x1_w16_plain_launch": coop(4096, 1, 16, cooperative=False),  # what the cooperative launch costs
-        "coop_2048x1_w8_2sm": coop(2048, 1, 8, programs_per_sm=2),  # 128 regs: 2 per SM fit
-        "coop_2048x1_w4_2sm": coop(2048, 1, 4, programs_per_sm=2),  # 199 regs: 2 per SM fit
-        "coop_2048x2_w8": coop(2048, 2, 8),  # 204 regs
+        "coop_4096x1_w16": coop(4096, 1, 16),  # COOP_BWD_DEFAULT
+        # run 1 (H100, results/h100-2026-11-23-s9): wider slices won (fewer exchanges per byte); 2048-4096
+        # slices, 2 per SM and the lookahead modes stayed at 36-49%
         "coop_8192x1_w32": coop(8192, 1, 32),  # 64 regs, LN spills 104 bytes
+        "coop_8192x1_w16": coop(8192, 1, 16),  # 128 regs available: no spill expected
+        "coop_8192x1_w16_publish_ahead": coop(8192, 1, 16, lookahead=1),
+        "coop_8192x1_w8": coop(8192, 1, 8),
+        "coop_16384x1_w32": coop(16384, 1, 32),
+        "coop_16384x1_w16": coop(16384, 1, 16),
+        "coop_8192x2_w32": coop(8192, 2, 32),
     }
 
 
