@@ -7,7 +7,7 @@ import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from shardnorm.kernels.launch import Launcher, _spec
+from shardnorm.kernels.launch import Launcher, _key, _spec
 
 
 def test_tensor_key_has_dtype_and_alignment():
@@ -23,6 +23,14 @@ def test_int_key_has_one_divisibility_and_width():
     assert _spec(2**31 - 16) != _spec(2**31)  # i32 vs i64
     assert _spec(2**63 - 16) != _spec(2**63)  # i64 vs u64
     assert _spec(None) != _spec(0.5)
+
+
+def test_inlined_key_is_the_specs():
+    """The launch key (`_key`, inlined for host time) is the device and each argument's `_spec`."""
+    base = torch.randn(64, dtype=torch.bfloat16)
+    args = (base, base[1:], base[8:].float(), None, 1, 17, 48, -16, 2**31, 2**63, True, False, 0.5, 0)
+    assert _key(3, args) == (3, *map(_spec, args))
+    assert len(set(_key(0, (a,)) for a in (base, base[1:], 1, 17, 16, 2**31, None, 0.5))) == 8
 
 
 def test_launch_hooks_are_seen():

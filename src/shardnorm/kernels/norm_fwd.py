@@ -205,6 +205,7 @@ class _FwdPlan:
         self.rms = rms
         self.cfg = cfg = config.fwd_config(n, param_size, has_bias, clusters)
         self.sms = config.sm_count(device)
+        self.programs = {}  # M -> programs to launch, host time per call (bounded: MAX_CACHED_M)
         self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, IS_RMS=rms, HAS_WEIGHT=has_weight,
                                HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ZERO_CENTERED=zero_centered,
                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
@@ -219,7 +220,11 @@ class _FwdPlan:
         mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
         rstd = torch.empty(M, dtype=torch.float32, device=device)
         if M:
-            programs = self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
-            self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride(0),
-                        residual.stride(0) if residual is not None else 0, M, N, eps)
+            programs = self.programs.get(M)
+            if programs is None:
+                if len(self.programs) >= config.MAX_CACHED_M:
+                    self.programs.clear()
+                programs = self.programs[M] = self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
+            self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
+                        residual.stride()[0] if residual is not None else 0, M, N, eps)
         return y, z, mean, rstd
