@@ -69,3 +69,39 @@ def test_launcher_checks_constexprs():
         Launcher(kernel, 4, BLOCK=64)
     with pytest.raises(TypeError, match="BLOCK"):
         Launcher(JITFunction(_constexpr_first), 4, BLOCK=64)
+
+
+def _three_args(X, Y, N, BLOCK: tl.constexpr):
+    pass
+
+
+def test_derived_arguments_are_left_out_of_the_key(monkeypatch):
+    """A Launcher keys only the arguments not marked derived (buffers its caller allocates), and still
+    passes every argument to the kernel; any change of a keyed argument's specialization misses."""
+    from shardnorm.kernels import launch
+
+    class Active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 0)
+
+    monkeypatch.setattr(launch, "driver", type("Driver", (), {"active": Active()}))
+    launcher = Launcher(JITFunction(_three_args), 4, derived=(1,), BLOCK=16)
+    runs, misses = [], []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        @staticmethod
+        def run(*args):
+            runs.append(args[-4:])
+
+    monkeypatch.setattr(JITFunction, "__getitem__", lambda self, grid: lambda *a, **k: misses.append(a) or Compiled)
+    x = torch.randn(40, dtype=torch.bfloat16)
+    launcher((1,), x, torch.empty(8), 8)  # miss: compiles (here: records) and remembers
+    assert len(misses) == 1 and list(launcher.compiled) == [_key(0, (x, 8))]
+    y = torch.empty(9)[1:]  # misaligned, a derived position: same key, launched with it
+    launcher((1,), x, y, 8)
+    assert len(misses) == 1 and runs[-1][0] is x and runs[-1][1] is y and runs[-1][2:] == (8, 16)
+    launcher((1,), x[1:], y, 8)  # a keyed tensor misaligned: a new key
+    launcher((1,), x, y, 16)  # a keyed int now divisible by 16: a new key
+    assert len(misses) == 3

@@ -117,6 +117,7 @@ torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = frozenset((Tensor, torch.nn.Parameter, type(None)))
 _PENDING = "AsyncCollectiveTensor"  # a functional collective's result (e.g. a reduce-scatter's)
 
 
@@ -161,7 +162,9 @@ _apply = _torch_compat.fast_apply(_EagerNorm, tensors=4)
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
          eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
-    if not _is_compiling() and _all_plain(x, weight, bias, residual, pending_ok=True):
+    if not _is_compiling() and (type(x) in _PLAIN_OR_NONE and type(weight) in _PLAIN_OR_NONE and  # _all_plain's
+                                type(bias) in _PLAIN_OR_NONE and type(residual) in _PLAIN_OR_NONE or  # common case
+                                _all_plain(x, weight, bias, residual, pending_ok=True)):  # without a generator
         if residual is None:
             return _apply(x, weight, bias, None, float(eps), rms, zero_centered), None
         return _apply(x, weight, bias, residual, float(eps), rms, zero_centered)

@@ -237,21 +237,24 @@ class _BwdPlan:
         if isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx
             self.sum_tiles = config.cdiv(n, sums.block_n)
-            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, HAS_BIAS=has_bias, BLOCK_M=sums.block_m,
+            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, derived=(5, 6), HAS_BIAS=has_bias, BLOCK_M=sums.block_m,
                                      BLOCK_N=sums.block_n, NUM_STAGES=sums.num_stages,
                                      HOIST_PARAMS=sums.hoist_params, **flags)
-            self.dx = Launcher(dx_kernel, dx.num_warps, HAS_DZ=has_dz, BLOCK_M=dx.block_m, BLOCK_N=dx.block_n,
+            self.dx = Launcher(dx_kernel, dx.num_warps, derived=(6, 7), HAS_DZ=has_dz, BLOCK_M=dx.block_m, BLOCK_N=dx.block_n,
                                SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
         else:
             cfg = self.cfg
-            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, HAS_BIAS=has_bias, HAS_DZ=has_dz,
+            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, derived=(6, 7), HAS_BIAS=has_bias, HAS_DZ=has_dz,
                                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                   NUM_STAGES=cfg.num_stages, HOIST_PARAMS=cfg.hoist_params, **flags)
         self.split = isinstance(self.cfg, config.SplitBwdConfig)
         self.grids = {}  # M -> (partial rows, dx tiles), host time per call (bounded: MAX_CACHED_M)
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
-        self.column_sum = Launcher(column_sum_kernel, 4, BLOCK_P=16, BLOCK_K=block_k)
+        self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
+
+    # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
+    # left out of the launch keys; their dtypes are fixed by src and the plan.
 
     def _grid(self, M, N):
         dx_tiles = config.cdiv(M, self.cfg.dx.block_m) * config.cdiv(N, self.cfg.dx.block_n) if self.split else 0

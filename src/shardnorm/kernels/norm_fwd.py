@@ -191,6 +191,9 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     return plan(x, weight, bias, residual, eps)
 
 
+_OUTPUTS = (4, 5, 6, 7)  # Y, Z, MEAN, RSTD: allocated by _FwdPlan, dtypes fixed by x, residual and the plan
+
+
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, param_size: int, has_weight: bool, has_bias: bool, has_residual: bool, rms: bool,
           zero_centered: bool, device, clusters: bool) -> "_FwdPlan":
@@ -206,7 +209,7 @@ class _FwdPlan:
         self.cfg = cfg = config.fwd_config(n, param_size, has_bias, clusters)
         self.sms = config.sm_count(device)
         self.programs = {}  # M -> programs to launch, host time per call (bounded: MAX_CACHED_M)
-        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, IS_RMS=rms, HAS_WEIGHT=has_weight,
+        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, derived=_OUTPUTS, IS_RMS=rms, HAS_WEIGHT=has_weight,
                                HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ZERO_CENTERED=zero_centered,
                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
