@@ -76,8 +76,8 @@ def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
 
 
 def _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
-    dy = dy.contiguous() if dy.stride(-1) != 1 else dy
-    dz = dz.contiguous() if dz is not None and dz.stride(-1) != 1 else dz
+    dy = dy.contiguous() if dy.stride()[-1] != 1 else dy
+    dz = dz.contiguous() if dz is not None and dz.stride()[-1] != 1 else dz
     return _backend(src).norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
 
 
