@@ -90,7 +90,8 @@ def providers(case):
     out = [("shardnorm", case.mod)]
     if case.device.type != "cuda":
         return out
-    out.append(("torch", (lambda x: F.rms_norm(x, (n,), w, 1e-6)) if case.rms else (lambda x: F.layer_norm(x, (n,), w, b))))
+    native = (lambda x: F.rms_norm(x, (n,), w, 1e-6)) if case.rms else (lambda x: F.layer_norm(x, (n,), w, b))
+    out.append(("torch", native))
     try:
         if case.rms:
             from liger_kernel.transformers import LigerRMSNorm

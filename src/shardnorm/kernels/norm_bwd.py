@@ -237,15 +237,15 @@ class _BwdPlan:
         if isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx
             self.sum_tiles = config.cdiv(n, sums.block_n)
-            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, derived=(5, 6), HAS_BIAS=has_bias, BLOCK_M=sums.block_m,
-                                     BLOCK_N=sums.block_n, NUM_STAGES=sums.num_stages,
+            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, derived=(5, 6), HAS_BIAS=has_bias,
+                                     BLOCK_M=sums.block_m, BLOCK_N=sums.block_n, NUM_STAGES=sums.num_stages,
                                      HOIST_PARAMS=sums.hoist_params, **flags)
-            self.dx = Launcher(dx_kernel, dx.num_warps, derived=(6, 7), HAS_DZ=has_dz, BLOCK_M=dx.block_m, BLOCK_N=dx.block_n,
-                               SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
+            self.dx = Launcher(dx_kernel, dx.num_warps, derived=(6, 7), HAS_DZ=has_dz, BLOCK_M=dx.block_m,
+                               BLOCK_N=dx.block_n, SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
         else:
             cfg = self.cfg
-            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, derived=(6, 7), HAS_BIAS=has_bias, HAS_DZ=has_dz,
-                                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
+            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, derived=(6, 7), HAS_BIAS=has_bias,
+                                  HAS_DZ=has_dz, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                   NUM_STAGES=cfg.num_stages, HOIST_PARAMS=cfg.hoist_params, **flags)
         self.split = isinstance(self.cfg, config.SplitBwdConfig)
         self.grids = {}  # M -> (partial rows, dx tiles), host time per call (bounded: MAX_CACHED_M)

@@ -209,9 +209,9 @@ class _FwdPlan:
         self.cfg = cfg = config.fwd_config(n, param_size, has_bias, clusters)
         self.sms = config.sm_count(device)
         self.programs = {}  # M -> programs to launch, host time per call (bounded: MAX_CACHED_M)
-        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, derived=_OUTPUTS, IS_RMS=rms, HAS_WEIGHT=has_weight,
-                               HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ZERO_CENTERED=zero_centered,
-                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
+        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, derived=_OUTPUTS, IS_RMS=rms,
+                               HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual,
+                               ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
                                PERSISTENT=cfg.programs_per_sm > 0)
 
