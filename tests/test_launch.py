@@ -7,7 +7,7 @@ import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from shardnorm.kernels.launch import Launcher, _spec
+from shardnorm.kernels.launch import Launcher, _key, _spec
 
 
 def test_tensor_key_has_dtype_and_alignment():
@@ -23,6 +23,14 @@ def test_int_key_has_one_divisibility_and_width():
     assert _spec(2**31 - 16) != _spec(2**31)  # i32 vs i64
     assert _spec(2**63 - 16) != _spec(2**63)  # i64 vs u64
     assert _spec(None) != _spec(0.5)
+
+
+def test_inlined_key_is_the_specs():
+    """The launch key (`_key`, inlined for host time) is the device and each argument's `_spec`."""
+    base = torch.randn(64, dtype=torch.bfloat16)
+    args = (base, base[1:], base[8:].float(), None, 1, 17, 48, -16, 2**31, 2**63, True, False, 0.5, 0)
+    assert _key(3, args) == (3, *map(_spec, args))
+    assert len(set(_key(0, (a,)) for a in (base, base[1:], 1, 17, 16, 2**31, None, 0.5))) == 8
 
 
 def test_launch_hooks_are_seen():
@@ -61,3 +69,39 @@ def test_launcher_checks_constexprs():
         Launcher(kernel, 4, BLOCK=64)
     with pytest.raises(TypeError, match="BLOCK"):
         Launcher(JITFunction(_constexpr_first), 4, BLOCK=64)
+
+
+def _three_args(X, Y, N, BLOCK: tl.constexpr):
+    pass
+
+
+def test_derived_arguments_are_left_out_of_the_key(monkeypatch):
+    """A Launcher keys only the arguments not marked derived (buffers its caller allocates), and still
+    passes every argument to the kernel; any change of a keyed argument's specialization misses."""
+    from shardnorm.kernels import launch
+
+    class Active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 0)
+
+    monkeypatch.setattr(launch, "driver", type("Driver", (), {"active": Active()}))
+    launcher = Launcher(JITFunction(_three_args), 4, derived=(1,), BLOCK=16)
+    runs, misses = [], []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        @staticmethod
+        def run(*args):
+            runs.append(args[-4:])
+
+    monkeypatch.setattr(JITFunction, "__getitem__", lambda self, grid: lambda *a, **k: misses.append(a) or Compiled)
+    x = torch.randn(40, dtype=torch.bfloat16)
+    launcher((1,), x, torch.empty(8), 8)  # miss: compiles (here: records) and remembers
+    assert len(misses) == 1 and list(launcher.compiled) == [_key(0, (x, 8))]
+    y = torch.empty(9)[1:]  # misaligned, a derived position: same key, launched with it
+    launcher((1,), x, y, 8)
+    assert len(misses) == 1 and runs[-1][0] is x and runs[-1][1] is y and runs[-1][2:] == (8, 16)
+    launcher((1,), x[1:], y, 8)  # a keyed tensor misaligned: a new key
+    launcher((1,), x, y, 16)  # a keyed int now divisible by 16: a new key
+    assert len(misses) == 3

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import shardnorm
-from conftest import rel_err
+from conftest import reference_norm, rel_err
 
 PAIRS = [
     (torch.nn.LayerNorm, shardnorm.LayerNorm, dict()),
@@ -59,6 +59,26 @@ def test_module_residual_forward(backend, device):
     x, r = torch.randn(2, 3, 32, device=device), torch.randn(2, 3, 32, device=device)
     y, z = m(x, residual=r)
     assert rel_err(z, x + r) < 1e-6 and rel_err(y, m(x + r)) < 1e-6
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("cls", [shardnorm.LayerNorm, shardnorm.RMSNorm])
+def test_forward_without_grad(backend, device, cls, mode):
+    """Without grad mode the forward skips the autograd Function (host time): same values as float64,
+    no graph, and the residual path's sum too."""
+    m = cls(48, device=device)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+    x, r = torch.randn(3, 5, 48, device=device), torch.randn(3, 5, 48, device=device)
+    bias = getattr(m, "bias", None)
+    with mode():
+        y = m(x)
+        y2, z = m(x, residual=r)
+    assert y.grad_fn is None and y2.grad_fn is None and not y.requires_grad
+    rms, eps = cls is shardnorm.RMSNorm, m.eps or torch.finfo(torch.float32).eps
+    assert rel_err(y, reference_norm(x, m.weight, bias, None, eps, rms)) < 1e-5
+    assert rel_err(y2, reference_norm(x, m.weight, bias, r, eps, rms)) < 1e-5 and rel_err(z, x + r) < 1e-6
 
 
 class LlamaRMSNorm(torch.nn.Module):

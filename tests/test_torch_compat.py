@@ -119,3 +119,31 @@ def _fsdp2_state(rank, world_size):
 def test_fsdp2_state_internals():
     """FSDP2's per-module state lists its params by name and shows no-sync grads until they are reduced."""
     spawn(_fsdp2_state, 1)
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, factor):
+        ctx.save_for_backward(w)
+        ctx.factor = factor
+        return x * w * factor
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g * w * ctx.factor, None, None
+
+
+def test_fast_apply_is_function_apply():
+    """The C apply behind `Function.apply`: same output and grads, a grad_fn of the Function's class; inside
+    a functorch transform it is `Function.apply` (which refuses a Function without setup_context)."""
+    apply = compat.fast_apply(_Scale, tensors=2)
+    x, w = torch.randn(6, requires_grad=True), torch.randn(6)
+    y = apply(x, w, 3.0)
+    assert type(y.grad_fn).__name__ == "_ScaleBackward", _gone(f"torch._C._FunctionBase.apply ({y.grad_fn})")
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    assert torch.allclose(y, x * w * 3) and torch.allclose(gx, w * 3), _gone("torch._C._FunctionBase.apply")
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: apply(t, w, 3.0).sum())(x.detach())
+    with pytest.raises(TypeError, match="setup_context"):
+        compat.fast_apply(type("WithSetup", (_Scale,), {"setup_context": staticmethod(lambda *a: None)}), 2)

@@ -7,6 +7,8 @@ APIs only, with one exception torch itself documents: a `ParallelStyle` subclass
 
 Autograd engine (the reducer's "first grad of this backward" and "end of this backward"):
   `torch._C._current_graph_task_id`, `torch.autograd.Variable._execution_engine.queue_callback`.
+autograd.Function's C apply (`torch._C._FunctionBase.apply`) and `torch._C._functorch.unwrap_if_dead`,
+  `_are_functorch_transforms_active`: `Function.apply` without its Python wrapper (`fast_apply`).
 FSDP2 (`fully_shard`) state, for "does FSDP hold no-sync grads" (`fsdp_checkpoint.pending_grads`):
   `FSDPModule._get_fsdp_state`, `FSDPState._fsdp_param_groups` (torch >= 2.12; `_fsdp_param_group`
   before), `FSDPParamGroup.fsdp_params`, `FSDPParam.unsharded_accumulated_grad` / `_unsharded_param` /
@@ -37,6 +39,26 @@ def queue_backward_callback(callback) -> None:
 
     Must be called from inside a backward (a hook or an autograd Function's backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def fast_apply(function_class, tensors: int):
+    """`function_class.apply` minus the Python wrapper's per-call cost (several us of host time:
+    `_is_setup_context_defined`, a generator over every argument): the C apply, after what the wrapper
+    does for a Function without `setup_context` outside functorch transforms (dead functorch wrappers
+    unwrapped), for a Function whose first `tensors` arguments are the tensors (or None) and the rest
+    not. Inside a transform (vmap, grad) it is the wrapper itself."""
+    if function_class.setup_context is not torch.autograd.Function.setup_context:
+        raise TypeError("fast_apply: a Function with setup_context binds default args in apply; use .apply")
+    c_apply = super(torch.autograd.Function, function_class).apply  # torch._C._FunctionBase.apply, bound
+    transforms_active = torch._C._are_functorch_transforms_active
+    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+    def apply(*args):
+        if transforms_active():
+            return function_class.apply(*args)
+        return c_apply(*[a if a is None else unwrap_if_dead(a) for a in args[:tensors]], *args[tensors:])
+
+    return apply
 
 
 # ---- FSDP2 ---------------------------------------------------------------------------------------------

@@ -16,14 +16,21 @@ from . import functional as F
 
 
 class _FusedNorm:
-    """Mixin: the forward and the `zero_centered_gamma` option shared by both norms."""
+    """Mixin: the forward and the `zero_centered_gamma` option shared by both norms.
+
+    The forward reads registered parameters from `_parameters` (what `self.weight` resolves to, minus
+    nn.Module.__getattr__'s 1.5-3 us); a weight held otherwise (a parametrization's property, FSDP1's
+    plain-tensor views) goes through attribute lookup as before. RMSNorm has no bias unless one is
+    registered."""
 
     zero_centered_gamma: bool = False
     _rms: bool
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):
-        y, z = F._norm(x, residual, self.normalized_shape, self.weight, getattr(self, "bias", None), self.eps,
-                       self._rms, self.zero_centered_gamma)
+        params = self._parameters
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else None if self._rms else getattr(self, "bias", None)
+        y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
         return y if residual is None else (y, z)
 
     def reset_parameters(self) -> None:

@@ -20,18 +20,31 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import _torch_compat, reference
 
 BACKENDS = ("triton", "torch")
 
 
 def _backend(x: Tensor):
-    name = os.environ.get("SHARDNORM_BACKEND") or ("triton" if x.is_cuda else "torch")
+    name = _env_backend() or ("triton" if x.is_cuda else "torch")
     if name == "torch":
         return reference
     if name == "triton":
         return _kernels()
     raise ValueError(f"SHARDNORM_BACKEND must be one of {BACKENDS}, got {name!r}")
+
+
+def _env_backend() -> Optional[str]:
+    """os.environ.get("SHARDNORM_BACKEND"), read per call (tests and users set it at any time) from the
+    mapping behind os.environ: `os.environ.get` of an unset variable raises and catches a KeyError,
+    ~1-2 us of every call's host time; a dict lookup is ~0.05 us."""
+    value = _ENVIRON_DATA.get(_ENV_KEY)
+    return value if value is None or type(value) is str else os.environ.decodevalue(value)
+
+
+# CPython's os._Environ keeps the encoded environment in `_data`; elsewhere, the public mapping.
+_ENVIRON_DATA = getattr(os.environ, "_data", os.environ)
+_ENV_KEY = os.environ.encodekey("SHARDNORM_BACKEND") if _ENVIRON_DATA is not os.environ else "SHARDNORM_BACKEND"
 
 
 @functools.cache
@@ -63,8 +76,8 @@ def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
 
 
 def _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
-    dy = dy.contiguous() if dy.stride(-1) != 1 else dy
-    dz = dz.contiguous() if dz is not None and dz.stride(-1) != 1 else dz
+    dy = dy.contiguous() if dy.stride()[-1] != 1 else dy
+    dz = dz.contiguous() if dz is not None and dz.stride()[-1] != 1 else dz
     return _backend(src).norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
 
 
@@ -86,19 +99,17 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, eps, rms, zero_centered = inputs
     _, z, mean, rstd = output
     ctx.save_for_backward(z if residual is not None else x, weight, mean, rstd)
-    ctx.has_bias = bias is not None
-    ctx.has_residual = residual is not None
-    ctx.rms = rms
-    ctx.zero_centered = zero_centered
+    ctx.flags = (bias is not None, residual is not None, rms, zero_centered)
 
 
 def _input_grads(ctx, dy, dz, run_bwd):
     """Grads for (x, weight, bias, residual, eps, rms, zero_centered); dz flows on to x and residual."""
     src, weight, mean, rstd = ctx.saved_tensors
-    dz = dz if ctx.has_residual else None
-    dx, dweight, dbias = run_bwd(dy, dz, src, weight, mean, rstd, ctx.has_bias, ctx.rms, ctx.zero_centered)
-    return (dx, dweight if weight is not None else None, dbias if ctx.has_bias else None,
-            dx if ctx.has_residual else None, None, None, None)
+    has_bias, has_residual, rms, zero_centered = ctx.flags
+    dx, dweight, dbias = run_bwd(dy, dz if has_residual else None, src, weight, mean, rstd, has_bias, rms,
+                                 zero_centered)
+    return (dx, dweight if weight is not None else None, dbias if has_bias else None,
+            dx if has_residual else None, None, None, None)
 
 
 torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _input_grads(ctx, dy, dz, norm_bwd),
@@ -106,6 +117,7 @@ torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = frozenset((Tensor, torch.nn.Parameter, type(None)))
 _PENDING = "AsyncCollectiveTensor"  # a functional collective's result (e.g. a reduce-scatter's)
 
 
@@ -124,28 +136,45 @@ class _EagerNorm(torch.autograd.Function):
     collective is still writing). Other subclasses go through the ops, whose dispatch unwraps them.
 
     Those layers cost tens of microseconds of CPU per call, as long as the whole kernel at small N
-    (32768 x 1024 bf16 moves 128 MB, ~40 us): eager calls go here, torch.compile traces the ops.
-    Returns y, or (y, z) with a residual; the statistics stay in ctx.
+    (32768 x 1024 bf16 moves 128 MB, ~40 us): eager calls go here (through `_apply`, the C apply),
+    torch.compile traces the ops. Returns y, or (y, z) with a residual; the statistics stay in ctx.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, rms, zero_centered):
-        inputs = (_ready(x), weight, bias, _ready(residual), eps, rms, zero_centered)
-        output = _backend(x).norm_fwd(*inputs)
-        _setup_context(ctx, inputs, output)
+        if type(x) not in _PLAIN or (residual is not None and type(residual) not in _PLAIN):
+            x, residual = _ready(x), _ready(residual)
+        output = _backend(x).norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+        _setup_context(ctx, (x, weight, bias, residual, eps, rms, zero_centered), output)
         return output[0] if residual is None else output[:2]
 
     @staticmethod
     def backward(ctx, dy, dz=None):
+        if type(dy) in _PLAIN and (dz is None or type(dz) in _PLAIN):
+            return _input_grads(ctx, dy, dz, _norm_bwd_impl)
         dy, dz = _ready(dy), _ready(dz)
         return _input_grads(ctx, dy, dz, _norm_bwd_impl if _all_plain(dy, dz) else norm_bwd)
+
+
+_apply = _torch_compat.fast_apply(_EagerNorm, tensors=4)
 
 
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
          eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
-    if not torch.compiler.is_compiling() and _all_plain(x, weight, bias, residual, pending_ok=True):
-        out = _EagerNorm.apply(x, weight, bias, residual, float(eps), rms, zero_centered)
-        return (out, None) if residual is None else out
+    if not _is_compiling() and (type(x) in _PLAIN_OR_NONE and type(weight) in _PLAIN_OR_NONE and  # _all_plain's
+                                type(bias) in _PLAIN_OR_NONE and type(residual) in _PLAIN_OR_NONE or  # common case
+                                _all_plain(x, weight, bias, residual, pending_ok=True)):  # without a generator
+        if not _grad_enabled():  # inference: no autograd node to build (the Function's apply, ~5-10 us)
+            x, residual = _ready(x), _ready(residual)
+            y, z, _, _ = _backend(x).norm_fwd(x, weight, bias, residual, float(eps), rms, zero_centered)
+            return y, (z if residual is not None else None)  # the torch backend's absent z is empty
+        if residual is None:
+            return _apply(x, weight, bias, None, float(eps), rms, zero_centered), None
+        return _apply(x, weight, bias, residual, float(eps), rms, zero_centered)
     y, z, _, _ = norm_fwd(x, weight, bias, residual, float(eps), rms, zero_centered)
     return y, (z if residual is not None else None)
+
+
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled

@@ -36,6 +36,9 @@ import triton
 # Largest row kept in registers in one pass (elements). Above it the chunked/split paths run.
 MAX_FUSED_N_FWD = 32768
 MAX_FUSED_N_BWD = {0: 16384, 1: 16384, 2: 8192}  # by the number of partial sums (dgamma, dbeta)
+# Grid sizes per row count M a launch plan remembers (a dict lookup instead of a few Python calls per
+# call); past it the plan forgets them all (variable-length batches).
+MAX_CACHED_M = 4096
 # SM count used where there is no CUDA device (TRITON_INTERPRET on CPU tensors).
 INTERPRETER_SM_COUNT = 8
 # The tables were measured with Triton 3.6 (torch 2.11 on the GPU machine); 3.9 compiles some tiles

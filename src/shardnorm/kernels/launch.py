@@ -12,6 +12,8 @@ cached kernel is never reused where Triton would have specialized differently. T
 (TRITON_INTERPRET=1) always takes the plain path.
 """
 
+import operator
+
 from torch import Tensor
 from triton import knobs
 from triton.runtime.driver import driver
@@ -19,12 +21,20 @@ from triton.runtime.jit import JITFunction
 
 
 def _spec(arg):
-    """What Triton's specialization can depend on, for one runtime argument."""
+    """What Triton's specialization can depend on, for one runtime argument (`_key` inlines it)."""
     if isinstance(arg, Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
+        return arg.dtype, not arg.data_ptr() & 15
     if isinstance(arg, int):  # bool too: Triton types it i1, the value makes the key finer still
-        return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg < 2**63
+        return arg == 1, not arg & 15, -2**31 <= arg < 2**31, arg < 2**63
     return type(arg)  # None (a constexpr to Triton) or a float (always fp32)
+
+
+def _key(device, args) -> tuple:
+    """(device, *map(_spec, args)) without a Python call per argument: ~13 arguments per launch made
+    the key most of a cached launch's host time."""
+    return (device, *[(a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor) else
+                      (a == 1, not a & 15, -2**31 <= a < 2**31, a < 2**63) if isinstance(a, int) else type(a)
+                      for a in args])
 
 
 class Launcher:
@@ -32,9 +42,14 @@ class Launcher:
     host time. constexprs: all the kernel's constexpr parameters, which follow its runtime ones;
     num_ctas > 1 launches each program as a thread-block cluster of that many CTAs; cooperative, as a
     cooperative grid (the compiled kernel carries the flag, so the cached path keeps it). Built once per
-    launch configuration (the launchers' plans hold them), called with the runtime arguments."""
+    launch configuration (the launchers' plans hold them), called with the runtime arguments.
 
-    def __init__(self, kernel, num_warps: int, num_ctas: int = 1, cooperative: bool = False, **constexprs):
+    `derived`: positions of runtime arguments left out of the cache key because the caller allocates
+    them fresh (so 16-byte aligned) with a dtype and presence fixed by the keyed arguments and the
+    plan, e.g. y = empty_like(x); each keyed tensor costs the key ~0.3 us of host time per launch."""
+
+    def __init__(self, kernel, num_warps: int, num_ctas: int = 1, cooperative: bool = False, derived: tuple = (),
+                 **constexprs):
         self.kernel = kernel
         self.options = dict(num_warps=num_warps, num_ctas=num_ctas) if num_ctas > 1 else dict(num_warps=num_warps)
         if cooperative:  # the driver's cooperative launch: all programs resident at once, or an error
@@ -46,19 +61,22 @@ class Launcher:
             if set(names) != constexprs.keys() or kernel.arg_names[-len(names):] != names:
                 raise TypeError(f"{kernel.__name__} takes trailing constexprs {names}, got {list(constexprs)}")
             self.trailing = tuple(constexprs[name] for name in names)
+            kept = [i for i in range(len(kernel.arg_names) - len(names)) if i not in derived]
+            self.keyed = operator.itemgetter(*kept) if derived and len(kept) > 1 else None
 
     def __call__(self, grid: tuple, *args) -> None:
         if not isinstance(self.kernel, JITFunction):
             self.kernel[grid](*args, **self.options, **self.constexprs)
             return
-        device = driver.active.get_current_device()
-        key = (device, *map(_spec, args))
+        active = driver.active
+        device = active.get_current_device()
+        key = _key(device, args if self.keyed is None else self.keyed(args))
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid](*args, **self.options, **self.constexprs)
             return
-        stream = driver.active.get_current_stream(device)
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        stream = active.get_current_stream(device)
+        grid3 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
         args = (*args, *self.trailing)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if _installed(enter) or _installed(leave):  # e.g. a profiler's: what JITFunction.run passes them

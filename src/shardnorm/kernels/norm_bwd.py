@@ -176,45 +176,58 @@ class _BwdPlan:
         elif isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx
             self.sum_tiles = config.cdiv(n, sums.block_n)
-            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, HAS_BIAS=has_bias, BLOCK_M=sums.block_m,
-                                     BLOCK_N=sums.block_n, NUM_STAGES=sums.num_stages,
+            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, derived=(5, 6), HAS_BIAS=has_bias,
+                                     BLOCK_M=sums.block_m, BLOCK_N=sums.block_n, NUM_STAGES=sums.num_stages,
                                      HOIST_PARAMS=sums.hoist_params, **flags)
-            self.dx = Launcher(dx_kernel, dx.num_warps, HAS_DZ=has_dz, BLOCK_M=dx.block_m, BLOCK_N=dx.block_n,
-                               SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
+            self.dx = Launcher(dx_kernel, dx.num_warps, derived=(6, 7), HAS_DZ=has_dz, BLOCK_M=dx.block_m,
+                               BLOCK_N=dx.block_n, SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
         else:
             cfg = self.cfg
-            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, HAS_BIAS=has_bias, HAS_DZ=has_dz,
-                                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
+            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, derived=(6, 7), HAS_BIAS=has_bias,
+                                  HAS_DZ=has_dz, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                   NUM_STAGES=cfg.num_stages, HOIST_PARAMS=cfg.hoist_params, **flags)
+        self.split = isinstance(self.cfg, config.SplitBwdConfig)
+        self.grids = {}  # M -> (partial rows, dx tiles), host time per call (bounded: MAX_CACHED_M)
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
-        self.column_sum = Launcher(column_sum_kernel, 4, BLOCK_P=16, BLOCK_K=block_k)
+        self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
+
+    # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
+    # left out of the launch keys; their dtypes are fixed by src and the plan.
+
+    def _grid(self, M, N):
+        dx_tiles = config.cdiv(M, self.cfg.dx.block_m) * config.cdiv(N, self.cfg.dx.block_n) if self.split else 0
+        return config.partial_rows(self.cfg, M, N, self.sms), dx_tiles
 
     def __call__(self, dy, dz, src, weight, mean, rstd):
         M, N = src.shape
         device = src.device
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
         num_grads = self.num_grads
-        partial_rows = config.partial_rows(self.cfg, M, N, self.sms)
+        grid = self.grids.get(M)
+        if grid is None:
+            if len(self.grids) >= config.MAX_CACHED_M:
+                self.grids.clear()
+            grid = self.grids[M] = self._grid(M, N)
+        partial_rows, dx_tiles = grid
         partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
-        dz_stride = dz.stride(0) if dz is not None else 0
+        dz_stride = dz.stride()[0] if dz is not None else 0
         if isinstance(self.cfg, config.CoopBwdConfig):
             cfg = self.cfg
             stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
             exchange, counters = workspace(device, stream, self.sms * cfg.programs_per_sm, cfg.block_m)
             self.coop((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange, counters,
-                      src.stride(0), dy.stride(0), dz_stride, M, N)
-        elif isinstance(self.cfg, config.SplitBwdConfig):
+                      src.stride()[0], dy.stride()[0], dz_stride, M, N)
+        elif self.split:
             row_sums = torch.empty((self.row_sum_kinds, M, self.sum_tiles), dtype=torch.float32, device=device)
             if M or num_grads:
                 self.row_sums((self.sum_tiles, partial_rows), src, dy, weight, mean, rstd, row_sums, partial,
-                              src.stride(0), dy.stride(0), M, N)
+                              src.stride()[0], dy.stride()[0], M, N)
             if M:
-                dx_tiles = config.cdiv(M, self.cfg.dx.block_m) * config.cdiv(N, self.cfg.dx.block_n)
-                self.dx((dx_tiles,), src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride(0), dy.stride(0),
+                self.dx((dx_tiles,), src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride()[0], dy.stride()[0],
                         dz_stride, M, N, self.sum_tiles)
         elif M or num_grads:
-            self.fused((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride(0), dy.stride(0),
+            self.fused((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride()[0], dy.stride()[0],
                        dz_stride, M, N)
         if not num_grads:
             return dx, None, None

@@ -191,6 +191,9 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     return plan(x, weight, bias, residual, eps)
 
 
+_OUTPUTS = (4, 5, 6, 7)  # Y, Z, MEAN, RSTD: allocated by _FwdPlan, dtypes fixed by x, residual and the plan
+
+
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, param_size: int, has_weight: bool, has_bias: bool, has_residual: bool, rms: bool,
           zero_centered: bool, device, clusters: bool) -> "_FwdPlan":
@@ -205,9 +208,10 @@ class _FwdPlan:
         self.rms = rms
         self.cfg = cfg = config.fwd_config(n, param_size, has_bias, clusters)
         self.sms = config.sm_count(device)
-        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, IS_RMS=rms, HAS_WEIGHT=has_weight,
-                               HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ZERO_CENTERED=zero_centered,
-                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
+        self.programs = {}  # M -> programs to launch, host time per call (bounded: MAX_CACHED_M)
+        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, derived=_OUTPUTS, IS_RMS=rms,
+                               HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual,
+                               ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
                                PERSISTENT=cfg.programs_per_sm > 0)
 
@@ -219,7 +223,11 @@ class _FwdPlan:
         mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
         rstd = torch.empty(M, dtype=torch.float32, device=device)
         if M:
-            programs = self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
-            self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride(0),
-                        residual.stride(0) if residual is not None else 0, M, N, eps)
+            programs = self.programs.get(M)
+            if programs is None:
+                if len(self.programs) >= config.MAX_CACHED_M:
+                    self.programs.clear()
+                programs = self.programs[M] = self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
+            self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
+                        residual.stride()[0] if residual is not None else 0, M, N, eps)
         return y, z, mean, rstd
