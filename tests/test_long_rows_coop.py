@@ -23,7 +23,8 @@ C = config.CoopBwdConfig
 GPU_CONFIGS = {"4096x1": C(4096, 1, 16), "4096x1_wait_first": C(4096, 1, 16, lookahead=0),
                "4096x1_publish_ahead": C(4096, 1, 16, lookahead=1),
                "4096x1_plain_launch": C(4096, 1, 16, cooperative=False),
-               "2048x1_2_per_sm": C(2048, 1, 8, programs_per_sm=2), "2048x2": C(2048, 2, 8), "8192x1": C(8192, 1, 32)}
+               "2048x1_2_per_sm": C(2048, 1, 8, programs_per_sm=2), "2048x2": C(2048, 2, 8), "8192x1": C(8192, 1, 32),
+               "8192x1_w16": C(8192, 1, 16)}
 
 
 @pytest.fixture
@@ -92,7 +93,7 @@ def test_interpreter_never_runs_several_slices(monkeypatch, force):
     run_case(_device(), 200, False, torch.float32, rows=3)
 
 
-def test_default_stays_split_until_measured(monkeypatch):
+def test_table_and_forced_selection(monkeypatch):
     """Long rows take the cooperative backward only where the table (filled from GPU measurements)
     says so, or everywhere when forced; never on a device that cannot run it."""
     for n, parts, rms in ((16384 + 1, 2, False), (32768, 1, True), (65536, 2, False), (65536, 1, True)):
@@ -103,6 +104,21 @@ def test_default_stays_split_until_measured(monkeypatch):
     assert config.bwd_config(4096, 2, 2, False, False, "force") == config.bwd_config(4096, 2, 2, False, False, "")
     monkeypatch.setenv("SHARDNORM_LONG_BWD", "coop")
     assert config.coop_mode(torch.device("cpu")) == ""
+
+
+@needs_gpu
+@pytest.mark.parametrize("key", sorted(config.COOP_BWD), ids=lambda k: f"{'rms' if k[2] else 'ln'}_{k[0]}_w{k[1]}")
+def test_table_entries(monkeypatch, workspaces, key):
+    """Each measured table entry, as users get it (not forced): at a non-power-of-two N of its row size,
+    more row blocks than groups, against float64."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    monkeypatch.delenv("SHARDNORM_LONG_BWD", raising=False)
+    n_pow2, weight_bytes, rms = key
+    n = n_pow2 - 5
+    weight_dtype = torch.float32 if weight_bytes == 4 else torch.bfloat16
+    assert _plan_kind(n, rms, weight_dtype, not rms) is C
+    run_case(_device(), n, rms, torch.bfloat16, rows=301, weight_dtype=weight_dtype)
+    assert _counters_zero(workspaces)
 
 
 CASES = {"fp32": dict(dtype=torch.float32), "bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),

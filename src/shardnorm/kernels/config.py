@@ -194,11 +194,18 @@ FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8,
              2048: (1, 4, 4, 1), 4096: (1, 8, 2, 1), 8192: (1, 16, 1, 1), 16384: (1, 16, 2, 1)}
 
 
-# Cooperative backward for long rows (NOTES.md v10), by (next_pow2(N), weight bytes, RMSNorm): where
-# it beats the split backward and the clusters. Empty until a GPU run measures it
-# (benchmarks/gpu_longrow.py); `SHARDNORM_LONG_BWD=coop` runs COOP_BWD_DEFAULT for every long row.
-COOP_BWD = {}
-COOP_BWD_DEFAULT = CoopBwdConfig(slice_n=4096, block_m=1, num_warps=16)  # no spill, LN and RMS (ptxas -v, sm_90)
+# Cooperative backward for long rows (NOTES.md v11), by (next_pow2(N), weight bytes, RMSNorm): where
+# the H100 sweep (benchmarks/gpu_longrow.py, results/h100-2026-11-23-s9/longrow_run2.md, GPU time, % of
+# copy) measured it ahead of the split backward (59-61% at every one of these shapes). 8192-column slices:
+# fewer exchanges per byte than 4096 (42-48%); 16384 spills; two rows per exchange spill.
+# `SHARDNORM_LONG_BWD=coop` runs COOP_BWD_DEFAULT for every long row (tests, sweeps).
+_COOP_LN = CoopBwdConfig(slice_n=8192, block_m=1, num_warps=16)  # LN bf16 14336 62%, 16384 68%, 32768 70%,
+#                                                                  65536 67%; fp32 weights 32768 71%
+_COOP_RMS = CoopBwdConfig(slice_n=8192, block_m=1, num_warps=32)  # RMS bf16 32768 77%, 65536 73%; fp32 65536 73%
+COOP_BWD = {(16384, 2, False): _COOP_LN, (32768, 2, False): _COOP_LN, (65536, 2, False): _COOP_LN,
+            (32768, 4, False): _COOP_LN, (32768, 2, True): _COOP_RMS, (65536, 2, True): _COOP_RMS,
+            (65536, 4, True): _COOP_RMS}
+COOP_BWD_DEFAULT = _COOP_LN
 
 
 @functools.lru_cache(maxsize=None)
