@@ -99,6 +99,19 @@ def test_apply_replace_and_zero_centered_gamma():
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_zero_centered_gamma_names_an_ungatherable_zero3_param():
+    """A ZeRO-3 parameter DeepSpeed cannot gather (here: marked partitioned, but no partitioning state) is a
+    clear error naming the module, and the weight is left as it was."""
+    pytest.importorskip("deepspeed")
+    model = norm_model(0)
+    weight = model[4].weight
+    weight.ds_id, weight.ds_shape = 0, tuple(weight.shape)
+    before = weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"could not gather the ZeRO-3 parameter 4\.weight \(full shape \(16,\)\)"):
+        sd.apply(model, {"shardnorm": {"zero_centered_gamma": True}})
+    assert torch.equal(weight.detach(), before)
+
+
 @pytest.mark.parametrize("config", [{}, {"shardnorm": {"enabled": False, "replace": ["LayerNorm"]}}])
 def test_absent_or_disabled_leaves_model_untouched(config):
     model = norm_model(0)

@@ -10,7 +10,11 @@ from .config import ShardnormSection
 
 
 def shardnorm_modules(model: torch.nn.Module) -> list:
-    return [m for m in model.modules() if isinstance(m, (LayerNorm, RMSNorm))]
+    return [m for _, m in named_shardnorm_modules(model)]
+
+
+def named_shardnorm_modules(model: torch.nn.Module) -> list:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LayerNorm, RMSNorm))]
 
 
 def _gathered(param: torch.nn.Parameter):
@@ -22,14 +26,26 @@ def _gathered(param: torch.nn.Parameter):
     return torch.no_grad()
 
 
-def _zero_center(module: torch.nn.Module) -> bool:
+def _zero_center(name: str, module: torch.nn.Module) -> bool:
     """Store the scale as weight - 1 so the module computes the same function zero-centered; False when
     it already was (Gemma-style norms convert zero-centered with their stored weight unchanged)."""
     if module.zero_centered_gamma:
         return False
     if module.weight is not None:
-        with _gathered(module.weight), torch.no_grad():
-            module.weight.sub_(1)
+        try:
+            gathered = _gathered(module.weight)
+            gathered.__enter__()
+        except Exception as e:  # noqa: BLE001 - DeepSpeed's own errors say little about which module
+            raise RuntimeError(
+                f"shardnorm: could not gather the ZeRO-3 parameter {name or type(module).__name__}.weight (full shape "
+                f"{tuple(getattr(module.weight, 'ds_shape', module.weight.shape))}) to store it as weight - 1 for "
+                f"zero_centered_gamma: {type(e).__name__}: {e}. Convert after deepspeed.initialize / zero.Init have "
+                f"set it up (torch.distributed initialized), or set \"zero_centered_gamma\": false") from e
+        try:
+            with torch.no_grad():
+                module.weight.sub_(1)
+        finally:
+            gathered.__exit__(None, None, None)
     module.zero_centered_gamma = True
     return module.weight is not None
 
@@ -38,7 +54,7 @@ def convert_norms(model: torch.nn.Module, section: ShardnormSection) -> tuple[to
     """Convert the classes named in `section.replace` (all known norms when unset). Returns (model, count)."""
     model, count = convert(model, classes=section.replace)
     if section.zero_centered_gamma:
-        shifted = sum(_zero_center(module) for module in shardnorm_modules(model))
+        shifted = sum(_zero_center(name, module) for name, module in named_shardnorm_modules(model))
         if shifted and hasattr(model, "save_pretrained"):
             warnings.warn(f"shardnorm.zero_centered_gamma stored {shifted} norm weights of {type(model).__name__} "
                           "as weight - 1: its state_dict and save_pretrained checkpoints are no longer plain Hugging "
