@@ -73,18 +73,22 @@ def _train(rank, world_size, seed, backend):
     reducer = attach_reducer(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
     for step in range(STEPS):
-        losses = [0.0, 0.0]
+        losses, scale = [0.0, 0.0], 0.0
         for mb in range(MICRO_BATCHES):
             x, target = torch.randn(2, 8, HIDDEN), torch.randn(2, 8, HIDDEN)
-            loss = (ref(x) * target).sum()
+            out = ref(x)
+            loss = (out * target).sum()
             loss.backward()
             losses[0] += loss.item()
+            scale += (out.abs() * target.abs()).sum().item()  # the loss sums terms of both signs
             xd, td = (distribute_tensor(t, mesh, [Shard(1)]) for t in (x, target))
             with shardnorm.accumulate(model) if mb < MICRO_BATCHES - 1 else torch.enable_grad():
                 loss = (model(xd) * td).sum().full_tensor()
                 loss.backward()
             losses[1] += loss.item()
-        assert abs(losses[1] - losses[0]) <= TOL * abs(losses[0]), f"step {step}: losses {losses}"
+        # relative to the terms' magnitude: the signed sum can cancel to near zero (it flaked at 1.2-2e-5
+        # of such a loss under load, i.e. fp32 summation noise)
+        assert abs(losses[1] - losses[0]) <= TOL * scale, f"step {step}: losses {losses}, scale {scale}"
         for name, p in model.named_parameters():
             if "norm" in name:
                 assert isinstance(p.grad, DTensor) and p.grad.placements == (Replicate(),), name
