@@ -9,6 +9,8 @@ shardnorm cannot honour (a clear error), then
 an Accelerate loop (`accelerator.accumulate`, gradient_accumulation_steps=2, clipping, AdamW, 5 steps) with
 `bind_accumulation`: the norm grads are final when the last micro-batch's backward returns (before clipping
 reads them) and the losses follow the single-process run; stock's drift.
+Last, transformers' `sequence_parallel` style on the decoder norms (a user plan): shardnorm's takeover equals
+transformers' own DTensor grads (the sum over ranks) with one all-reduce per step.
 (transformers.Trainer itself refuses a tp_plan model on CPU: Accelerate allows a ParallelismConfig only on
 GPU devices, DeepSpeed or FSDP2; `benchmarks/gpu_hf_tp_plan.py` runs the Trainer with `enable` on 2 GPUs.)
 """
@@ -227,6 +229,49 @@ def _body(rank, world, root):
     with pytest.raises(ValueError, match="'all_reduce' on norm 'model.norm'"):
         convert_model(odd)
     _accelerate_loop(rank, f"{root}/qwen3_0")
+    _sequence_parallel_norms(rank, f"{root}/qwen3_0")
+
+
+def _sequence_parallel_norms(rank, path):
+    """transformers' own `sequence_parallel` style on the decoder norms (no shipped model's plan uses it; a
+    user's plan can): each rank's hidden states are its sequence shard, so a norm's weight grad is the sum
+    over ranks. shardnorm's takeover gives the grads transformers' DTensor path gives, over 2 micro-batches
+    (each rank with its own tokens), with one reducer all-reduce per step."""
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    import shardnorm
+    from shardnorm.integrations.transformers import convert_model
+
+    plan = {"model.layers.*.input_layernorm": "sequence_parallel",
+            "model.layers.*.post_attention_layernorm": "sequence_parallel", "model.norm": "sequence_parallel"}
+    g = torch.Generator().manual_seed(300 + rank)
+    batches = [torch.randint(0, 64, (2, 9), generator=g) for _ in range(MICRO)]
+
+    def grads(convert):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(tp_plan=plan))
+        if convert:
+            model = convert_model(model)
+        for i, ids in enumerate(batches):
+            with shardnorm.accumulate(model) if convert and i < MICRO - 1 else contextlib.nullcontext():
+                _loss(model, ids).backward()
+        return model, _norm_grads(model)
+
+    stock, stock_grads = grads(False)
+    ours, ours_grads = grads(True)
+    alone = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # this rank's tokens only
+    for ids in batches:
+        _loss(alone, ids).backward()
+    local = _norm_grads(alone)
+    sp = [n for n in stock_grads if "layernorm" in n or n == "model.norm.weight"]
+    assert len(sp) == 5 and all(isinstance(m, shardnorm.RMSNorm) for n, m in ours.named_modules()
+                                if n.endswith(("layernorm", "model.norm"))), sp
+    for n in sp:
+        assert _rel(local[n], stock_grads[n]) > 1e-2, f"{n}: the ranks' tokens do not differ enough to test the sum"
+        err = _rel(ours_grads[n], stock_grads[n])
+        assert err <= TOL, f"rank {rank} {n}: shardnorm vs transformers' sequence_parallel rel err {err:.2e}"
+    reducer = shardnorm.distributed.reducer_of(ours)
+    assert reducer is not None and reducer.collectives == 1, getattr(reducer, "collectives", None)
 
 
 @pytest.mark.distributed
