@@ -1,5 +1,6 @@
 """Swap a model's norms for shardnorm's as the "shardnorm" section asks."""
 
+import contextlib
 import warnings
 
 import torch
@@ -32,20 +33,17 @@ def _zero_center(name: str, module: torch.nn.Module) -> bool:
     if module.zero_centered_gamma:
         return False
     if module.weight is not None:
-        try:
-            gathered = _gathered(module.weight)
-            gathered.__enter__()
-        except Exception as e:  # noqa: BLE001 - DeepSpeed's own errors say little about which module
-            raise RuntimeError(
-                f"shardnorm: could not gather the ZeRO-3 parameter {name or type(module).__name__}.weight (full shape "
-                f"{tuple(getattr(module.weight, 'ds_shape', module.weight.shape))}) to store it as weight - 1 for "
-                f"zero_centered_gamma: {type(e).__name__}: {e}. Convert after deepspeed.initialize / zero.Init have "
-                f"set it up (torch.distributed initialized), or set \"zero_centered_gamma\": false") from e
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(_gathered(module.weight))
+            except Exception as e:  # noqa: BLE001 - DeepSpeed's own errors say little about which module
+                raise RuntimeError(
+                    f"shardnorm: could not gather the ZeRO-3 parameter {name or type(module).__name__}.weight (full "
+                    f"shape {tuple(getattr(module.weight, 'ds_shape', module.weight.shape))}) to store it as weight - 1 "
+                    f"for zero_centered_gamma: {type(e).__name__}: {e}. Convert after deepspeed.initialize / zero.Init "
+                    f"have set it up (torch.distributed initialized), or set \"zero_centered_gamma\": false") from e
             with torch.no_grad():
                 module.weight.sub_(1)
-        finally:
-            gathered.__exit__(None, None, None)
     module.zero_centered_gamma = True
     return module.weight is not None
 

@@ -39,6 +39,8 @@ MAX_FUSED_N_BWD = {0: 16384, 1: 16384, 2: 8192}  # by the number of partial sums
 # Grid sizes per row count M a launch plan remembers (a dict lookup instead of a few Python calls per
 # call); past it the plan forgets them all (variable-length batches).
 MAX_CACHED_M = 4096
+# Shortest row that can leave the one-pass backward (the cooperative/split/cluster choice only exists above).
+MIN_LONG_N_BWD = min(MAX_FUSED_N_BWD.values()) + 1
 # SM count used where there is no CUDA device (TRITON_INTERPRET on CPU tensors).
 INTERPRETER_SM_COUNT = 8
 # The tables were measured with Triton 3.6 (torch 2.11 on the GPU machine); 3.9 compiles some tiles
@@ -237,6 +239,16 @@ def row_groups(cfg: SplitBwdConfig, m: int, n: int, sm_count: int) -> int:
     col_tiles = cdiv(n, cfg.row_sums.block_n)
     wanted = cdiv(sm_count * cfg.row_sums.programs_per_sm, col_tiles)
     return max(1, min(wanted, cdiv(m, cfg.row_sums.block_m)))
+
+
+def per_m(cache: dict, m: int, make):
+    """cache[m], made by make(m) the first time; the cache forgets everything past MAX_CACHED_M entries."""
+    value = cache.get(m)
+    if value is None:
+        if len(cache) >= MAX_CACHED_M:
+            cache.clear()
+        value = cache[m] = make(m)
+    return value
 
 
 def coop_groups(cfg: CoopBwdConfig, m: int, n: int, sm_count: int) -> int:

@@ -139,8 +139,10 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     """Launch the backward on 2-D tensors. Returns dx (src's dtype) and dweight, dbias in the
     weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias."""
     device = src.device
-    plan = _plan(src.shape[1], weight.dtype if weight is not None else None, has_bias, dz is not None, rms,
-                 zero_centered, device, config.use_clusters(device, rms), config.coop_mode(device))
+    n = src.shape[1]
+    coop = config.coop_mode(device) if n >= config.MIN_LONG_N_BWD else ""  # short rows: one pass either way
+    plan = _plan(n, weight.dtype if weight is not None else None, has_bias, dz is not None, rms, zero_centered,
+                 device, config.use_clusters(device, rms), coop)
     return plan(dy, dz, src, weight, mean, rstd)
 
 
@@ -157,6 +159,7 @@ class _BwdPlan:
 
     def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop):
         has_weight = weight_dtype is not None
+        self.n = n
         self.has_bias, self.row_sum_kinds = has_bias, 1 if rms else 2  # LayerNorm: two sums per row
         self.num_grads = int(has_weight) + int(has_bias)
         self.grad_dtype = weight_dtype if has_weight else torch.float32
@@ -195,7 +198,8 @@ class _BwdPlan:
     # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
     # left out of the launch keys; their dtypes are fixed by src and the plan.
 
-    def _grid(self, M, N):
+    def _grid(self, M):
+        N = self.n
         dx_tiles = config.cdiv(M, self.cfg.dx.block_m) * config.cdiv(N, self.cfg.dx.block_n) if self.split else 0
         return config.partial_rows(self.cfg, M, N, self.sms), dx_tiles
 
@@ -204,12 +208,7 @@ class _BwdPlan:
         device = src.device
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
         num_grads = self.num_grads
-        grid = self.grids.get(M)
-        if grid is None:
-            if len(self.grids) >= config.MAX_CACHED_M:
-                self.grids.clear()
-            grid = self.grids[M] = self._grid(M, N)
-        partial_rows, dx_tiles = grid
+        partial_rows, dx_tiles = config.per_m(self.grids, M, self._grid)
         partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
         dz_stride = dz.stride()[0] if dz is not None else 0
         if isinstance(self.cfg, config.CoopBwdConfig):

@@ -215,6 +215,9 @@ class _FwdPlan:
                                SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
                                PERSISTENT=cfg.programs_per_sm > 0)
 
+    def _programs(self, M):
+        return self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
+
     def __call__(self, x, weight, bias, residual, eps):
         M, N = x.shape
         device = x.device
@@ -223,11 +226,7 @@ class _FwdPlan:
         mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
         rstd = torch.empty(M, dtype=torch.float32, device=device)
         if M:
-            programs = self.programs.get(M)
-            if programs is None:
-                if len(self.programs) >= config.MAX_CACHED_M:
-                    self.programs.clear()
-                programs = self.programs[M] = self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
+            programs = config.per_m(self.programs, M, self._programs)
             self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
                         residual.stride()[0] if residual is not None else 0, M, N, eps)
         return y, z, mean, rstd
