@@ -10,6 +10,12 @@ loss and the grads of every norm weight (relative error; bf16, so ~1e-2 is round
 `torch.compile` (whole model, default mode); compile cases run after all eager ones and are skipped,
 recorded as such, when the time budget (--budget-s) would run out.
 
+The variants of one (arch, mode) are built side by side and timed in interleaved rounds (round 1 of
+each, then round 2 of each, ...), so a slow spell of the shared machine hits them alike. Peak memory is
+each variant's own: the rise over what was resident before its timed steps, plus its parameters.
+In compile mode `shardnorm_unfused` is shardnorm with SHARDNORM_COMPILE_FUSION=0 (the residual add
+outside the norm's kernel): what `compile_fusion.py` is worth.
+
 Weights are random (seeded), norm weights moved off their init (+ N(0, 0.2)) so a scale error shows.
 Liger (liger_kernel): `apply_liger_kernel_to_<arch>(model=..., rms_norm=True, everything else False)`,
 falling back to swapping each norm for a `LigerRMSNorm` holding the same weight (recorded in `notes`).
@@ -42,14 +48,15 @@ ARCHS = {
 }
 SHAPE = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
              num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
-VARIANTS = ("native", "shardnorm", "liger")
+VARIANTS = {"eager": ("native", "shardnorm", "liger"),
+            "compile": ("native", "shardnorm", "shardnorm_unfused", "liger")}
 SMOKE_SHAPE = dict(SHAPE, vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16)  # --smoke: the code paths on a CPU, seconds
 DEVICE = "cuda"
 BATCH, SEQ, TIMED_STEPS, ROUNDS, WARMUP = 2, 4096, 10, 3, 2
 LOSS_REL_TOL, GRAD_REL_TOL = 1e-2, 5e-2
 FP32_SLACK = 1.25  # a variant's norm-grad error vs fp32 may exceed the model's own bf16 norms' by this factor
-FIRST_CASE_S = {"eager": 15.0, "compile": 60.0}  # time-budget estimate of a case before one has run
+FIRST_CASE_S = {"eager": 15.0, "compile": 30.0}  # time-budget estimate of a variant before one has run
 
 
 def build(arch: str, layers: int):
@@ -127,7 +134,26 @@ def patch_liger(model, arch):
 
 
 PATCHES = {"native": lambda model, arch: (model, "the model's own norms"), "shardnorm": patch_shardnorm,
-           "liger": patch_liger}
+           "shardnorm_unfused": lambda model, arch: (lambda m, notes: (m, notes + ", compile fusion off"))(
+               *patch_shardnorm(model, arch)), "liger": patch_liger}
+
+
+class compile_fusion_off:
+    """SHARDNORM_COMPILE_FUSION=0 while the unfused variant compiles (its first steps); restored after."""
+
+    def __init__(self, variant):
+        self.on = variant == "shardnorm_unfused"
+
+    def __enter__(self):
+        self.saved = os.environ.get("SHARDNORM_COMPILE_FUSION")
+        if self.on:
+            os.environ["SHARDNORM_COMPILE_FUSION"] = "0"
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop("SHARDNORM_COMPILE_FUSION", None)
+        else:
+            os.environ["SHARDNORM_COMPILE_FUSION"] = self.saved
 
 
 class restore_module_globals:
@@ -165,25 +191,32 @@ def _timed(step) -> float:
     return start.elapsed_time(end)
 
 
-def time_steps(step, params) -> tuple:
-    """(best-of-ROUNDS median ms, all round medians, peak GiB over the timed rounds)."""
+def warm_up(step, params) -> None:
     for _ in range(WARMUP):
         for p in params:
             p.grad = None
         step()
+    for p in params:
+        p.grad = None
+
+
+def timed_round(step, params) -> tuple:
+    """(median ms of TIMED_STEPS steps, this variant's peak GiB: the rise over what was resident before, plus
+    its own parameters, so the other variants' resident models don't count). Grads are left None."""
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    medians = []
-    for _ in range(ROUNDS):
-        times = []
-        for _ in range(TIMED_STEPS):
-            for p in params:
-                p.grad = None
-            times.append(_timed(step))
-        medians.append(statistics.median(times))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
-    return min(medians), medians, peak
+    times = []
+    for _ in range(TIMED_STEPS):
+        for p in params:
+            p.grad = None
+        times.append(_timed(step))
+    for p in params:
+        p.grad = None
+    own = sum(p.numel() * p.element_size() for p in params)
+    peak = (torch.cuda.max_memory_allocated() - resident + own) / 2**30 if DEVICE == "cuda" else float("nan")
+    return statistics.median(times), peak
 
 
 def _compare(grads: dict, loss: float, reference: dict, prefix: str) -> dict:
@@ -217,9 +250,10 @@ def fp32_reference(arch, args) -> dict:
         free()
 
 
-def run_case(arch, mode, variant, args, refs):
-    """One case: build, patch, first step against refs["native"] (native eager bf16) and refs["fp32"], timing."""
-    with restore_module_globals(arch):
+def prepare_case(arch, mode, variant, args, refs):
+    """Build and patch one variant, take its first step (compiles; compared with refs["native"], the native
+    eager bf16 step, and refs["fp32"]) and warm it up. Returns (row, first step, step, params)."""
+    with restore_module_globals(arch), compile_fusion_off(variant):
         model = build(arch, args.layers)
         model, notes = PATCHES[variant](model, arch)
         ids = _tokens()
@@ -231,10 +265,14 @@ def run_case(arch, mode, variant, args, refs):
             loss.backward()
             return loss
 
-        t0 = time.perf_counter()
+        from shardnorm import compile_fusion
+
+        t0, fused_before = time.perf_counter(), compile_fusion.counts["fused_adds"]
         first = _first_step(model, runner, ids)
         row = dict(arch=arch, mode=mode, variant=variant, notes=notes, loss=first["loss"],
                    first_step_s=time.perf_counter() - t0)
+        if mode == "compile" and variant.startswith("shardnorm"):
+            row["notes"] += f"; {compile_fusion.counts['fused_adds'] - fused_before} residual adds fused"
         if "native" in refs:
             row.update(_compare(first["grads"], first["loss"], refs["native"], ""))
             row["parity_ok"] = row["loss_rel_diff"] <= LOSS_REL_TOL and row["norm_grad_rel_err_max"] <= GRAD_REL_TOL
@@ -242,8 +280,20 @@ def run_case(arch, mode, variant, args, refs):
             row.update(_compare(first["grads"], first["loss"], refs["fp32"], "fp32_"))
             if "parity_ok" in row:
                 judge(row, refs.get("native_fp32_err"))
-        row["ms"], row["round_medians_ms"], row["peak_gib"] = time_steps(step, params)
-        return row, first
+        warm_up(step, params)
+        return row, first, step, params
+
+
+def time_interleaved(cases: dict) -> None:
+    """ROUNDS rounds, each timing every prepared variant in turn; each row gets its round medians, the best
+    of them (`ms`) and its largest peak."""
+    for _ in range(ROUNDS):
+        for row, step, params in cases.values():
+            ms, peak = timed_round(step, params)
+            row.setdefault("round_medians_ms", []).append(ms)
+            row["peak_gib"] = max(row.get("peak_gib", 0.0), peak)
+    for row, _, _ in cases.values():
+        row["ms"] = min(row["round_medians_ms"])
 
 
 def judge(row: dict, native_fp32_err: float | None) -> None:
@@ -274,20 +324,21 @@ def markdown(rows, meta) -> str:
              "Parity columns: vs the model's own norms in bf16 eager (loss rel diff / max norm-weight grad rel err), "
              "and the max norm-weight grad rel err vs the same model in fp32 (what every bf16 variant approximates).",
              "",
-             "| arch | mode | variant | ms | vs native | peak GiB | loss | loss rel diff | norm grad rel err (max) "
-             "| ok | norm grad rel err vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| arch | mode | variant | ms | vs native | round medians ms | peak GiB | loss | loss rel diff "
+             "| norm grad rel err (max) | ok | norm grad rel err vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     native = {(r["arch"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "native"}
     for r in rows:
         if "error" in r or "skipped" in r:
-            lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r.get('error') or r['skipped']} ||||||||")
+            lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r.get('error') or r['skipped']} |||||||||")
             continue
         base = native.get((r["arch"], r["mode"]))
         speed = f"{base / r['ms']:.3f}x" if base else ""
         parity = (f"{r['loss_rel_diff']:.1e} | {r['norm_grad_rel_err_max']:.1e} | {r['parity_ok']}"
                   if "parity_ok" in r else "reference | reference | -")
         fp32 = f"{r['fp32_norm_grad_rel_err_max']:.1e}" if "fp32_norm_grad_rel_err_max" in r else "-"
-        lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r['ms']:.1f} | {speed} | {r['peak_gib']:.2f} | "
+        rounds = " / ".join(f"{m:.1f}" for m in r.get("round_medians_ms", []))
+        lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r['ms']:.1f} | {speed} | {rounds} | {r['peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {parity} | {fp32} |")
     lines += ["", "Notes:"] + [f"- {r['arch']} {r['mode']} {r['variant']}: {r.get('notes', '')}" for r in rows
                                if r.get("notes")]
@@ -340,41 +391,65 @@ def main(argv=None):
                 batch=BATCH, seq=SEQ, shape=SHAPE)
     print(json.dumps(meta), flush=True)
     rows, references, case_s = [], {}, {}
+    from torch._inductor import config as inductor_config
+
+    inductor_config.force_disable_caches = True  # each variant compiles here: the fused-add count is exact
+    for limit in ("recompile_limit", "cache_size_limit"):  # one compiled model per variant, same code objects
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 32)
+
+    def record(row):
+        rows.append(row)
+        summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                   if k not in ("traceback", "round_medians_ms")}
+        print(json.dumps(summary), flush=True)
+        (out / "hf_models.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
     for mode in args.modes.split(","):
         for arch in args.archs.split(","):
-            for variant in VARIANTS:
-                elapsed = time.perf_counter() - start
-                estimate = case_s.get((mode, variant), case_s.get((mode, "native"), FIRST_CASE_S[mode]))
+            elapsed = time.perf_counter() - start
+            variants = VARIANTS[mode]
+            estimate = case_s.get(mode, FIRST_CASE_S[mode] * len(variants))
+            if elapsed + estimate > args.budget_s:
+                for variant in variants:
+                    record(dict(arch=arch, mode=mode, variant=variant,
+                                skipped=f"time budget: {elapsed:.0f} s spent, case estimated {estimate:.0f} s"))
+                continue
+            t0 = time.perf_counter()
+            refs, prepared, done = references.setdefault(arch, {}), {}, []
+            for variant in variants:
                 row = dict(arch=arch, mode=mode, variant=variant)
-                if elapsed + estimate > args.budget_s:
-                    row["skipped"] = f"time budget: {elapsed:.0f} s spent, case estimated {estimate:.0f} s"
-                elif variant != "native" and "native" not in references.get(arch, {}):
+                if variant != "native" and "native" not in refs:
                     row["skipped"] = "no native eager reference (it failed)"
-                else:
-                    t0 = time.perf_counter()
-                    try:
-                        refs = references.setdefault(arch, {})
-                        if mode == "eager" and variant == "native" and not args.no_fp32_reference:
-                            try:
-                                refs["fp32"] = fp32_reference(arch, args)
-                            except Exception as e:  # noqa: BLE001 - the bf16 comparison still runs
-                                row["fp32_reference_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                        got, first = run_case(arch, mode, variant, args, refs)
-                        row.update(got)
-                        if mode == "eager" and variant == "native":
-                            refs["native"] = first
-                            refs["native_fp32_err"] = row.get("fp32_norm_grad_rel_err_max")
-                    except Exception as e:  # noqa: BLE001 - record it, run the next case
-                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                        row["traceback"] = traceback.format_exc()[-3000:]
-                    row["case_s"] = time.perf_counter() - t0
-                    case_s[(mode, variant)] = max(case_s.get((mode, variant), 0.0), row["case_s"])
-                    free()
-                rows.append(row)
-                summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                           if k not in ("traceback", "round_medians_ms")}
-                print(json.dumps(summary), flush=True)
-                (out / "hf_models.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+                    done.append(row)
+                    continue
+                try:
+                    if mode == "eager" and variant == "native" and not args.no_fp32_reference:
+                        try:
+                            refs["fp32"] = fp32_reference(arch, args)
+                        except Exception as e:  # noqa: BLE001 - the bf16 comparison still runs
+                            row["fp32_reference_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    got, first, step, params = prepare_case(arch, mode, variant, args, refs)
+                    row.update(got)
+                    if mode == "eager" and variant == "native":
+                        refs["native"] = first
+                        refs["native_fp32_err"] = row.get("fp32_norm_grad_rel_err_max")
+                    prepared[variant] = (row, step, params)
+                except Exception as e:  # noqa: BLE001 - record it, run the next variant
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    row["traceback"] = traceback.format_exc()[-3000:]
+                    done.append(row)
+            try:
+                time_interleaved(prepared)
+            except Exception as e:  # noqa: BLE001
+                for row, _, _ in prepared.values():
+                    row["error"] = f"timing: {type(e).__name__}: {str(e)[:300]}"
+            case_s[mode] = max(case_s.get(mode, 0.0), time.perf_counter() - t0)
+            for row in sorted([r for r, _, _ in prepared.values()] + done, key=lambda r: variants.index(r["variant"])):
+                row["case_s"] = time.perf_counter() - t0
+                record(row)
+            prepared.clear()
+            free()
     table = markdown(rows, meta)
     (out / "hf_models.md").write_text(table)
     print(table)

@@ -20,6 +20,9 @@ from spawn_ranks import spawn
 deepspeed = pytest.importorskip("deepspeed")
 
 STEPS, GAS, BATCH, SEQ, HEADS, LR, TOL = 3, 2, 2, 8, 4, 0.1, 1e-5
+# params after 6 SGD steps at lr 0.1: fp32 summation-order noise reached 1.2e-5 on a small bias for some
+# seeds; a norm grad reduced twice or not at all is ~1e-1 off
+PARAM_TOL = 1e-4
 
 
 def local_attention(q, k, v):
@@ -110,7 +113,7 @@ def _run_case(rank, world_size, device, seed, stage, mpu):
     got, want = full_params(engine.module), dict(reference.named_parameters())
     for key in want:
         err = rel_err(got[key], want[key])
-        assert err <= TOL, f"zero{stage}: {key} rel err {err:.2e} (a norm grad reduced twice would be ~1e-1)"
+        assert err <= PARAM_TOL, f"zero{stage}: {key} rel err {err:.2e} (a norm grad reduced twice would be ~1e-1)"
     engine.destroy()
 
 

@@ -15,6 +15,7 @@ FSDP2 (`fully_shard`) state, for "does FSDP hold no-sync grads" (`fsdp_checkpoin
   `_param_fqn`.
 FSDP1: `ModuleWrapPolicy._run_policy` / `_module_classes` (a wrap policy that looks at the root module
   before choosing its classes), `MixedPrecision._module_classes_to_ignore` (norms kept in fp32).
+Inductor: `torch._inductor.config.pre_grad_custom_pass` (`compile_fusion.py`'s graph pass).
 
 Framework-specific internals (DeepSpeed's AutoTP) stay in their adapter, `shardnorm/deepspeed/autotp.py`;
 Triton's launch internals in `shardnorm/kernels/launch.py`.
@@ -117,3 +118,39 @@ def fsdp1_mixed_precision(param_dtype, reduce_dtype, buffer_dtype, full_precisio
 
     return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype,
                           _module_classes_to_ignore=full_precision_classes)
+
+
+# ---- Inductor --------------------------------------------------------------------------------------------
+
+def add_inductor_pre_grad_pass(graph_pass, uuid) -> bool:
+    """Run `graph_pass(graph)` on each graph Dynamo hands Inductor, before autograd is traced, after any
+    pass already set there (Inductor holds one: an existing one is chained, not replaced). `uuid()` names
+    what the pass does now (Inductor's caches key on it). Idempotent. Only where `torch._inductor.config`
+    is already imported (importing it costs ~1.5 s; `torch.compile` with Inductor imports it before it
+    traces): returns whether the pass is installed."""
+    import sys
+
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:
+        return False
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    current = config.pre_grad_custom_pass
+    previous = tuple(current) if isinstance(current, (list, tuple)) else () if current is None else (current,)
+    if any(getattr(p, "wraps", None) is graph_pass for p in previous):
+        return True
+
+    class ChainedPass(CustomGraphPass):
+        def __call__(self, graph):
+            for earlier in previous:
+                earlier(graph)
+            graph_pass(graph)
+
+        def uuid(self):
+            keys = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in previous]
+            return None if None in keys else (*keys, uuid())  # an earlier pass without a uuid: no caching
+
+    chained = ChainedPass()
+    chained.wraps = graph_pass  # on the instance: a class attribute would come back as a bound method
+    config.pre_grad_custom_pass = chained
+    return True

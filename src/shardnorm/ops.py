@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _torch_compat, reference
+from . import _torch_compat, compile_fusion, reference
 
 BACKENDS = ("triton", "torch")
 
@@ -69,6 +69,7 @@ def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residu
 
 @norm_fwd.register_fake
 def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
+    compile_fusion.install()  # traced for torch.compile: let Inductor fuse residual adds into this op
     M, N = x.shape
     z = x.new_empty((M, N), dtype=torch.result_type(x, residual)) if residual is not None else x.new_empty(0)
     stats = lambda rows: x.new_empty(rows, dtype=torch.float32)  # noqa: E731

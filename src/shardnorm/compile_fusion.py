@@ -1,0 +1,155 @@
+"""Under torch.compile, the residual add in front of a shardnorm norm runs inside the norm's kernel.
+
+A pre-norm decoder layer computes `h = residual + out`, normalizes h, and keeps h as the next residual.
+Inductor fuses that add into its own norm kernels, but cannot look inside a custom op. This pass rewrites
+each such pair, in the graph Dynamo hands Inductor (before autograd is traced), into one
+`shardnorm::norm_fwd(out, ..., residual=residual)` that returns y and h. The forward then reads the two
+inputs once and writes h and y; the backward adds h's other grads inside the norm's backward kernel
+(`dz`) instead of in a separate add kernel. The forward is exact: the kernel rounds h to its dtype
+before it normalizes, as the add does; the backward adds in fp32 and rounds once.
+
+Installed by the op's first trace under Inductor (`ops._norm_fwd_fake`); `SHARDNORM_COMPILE_FUSION=0`
+turns it off. `counts` holds what it did (graphs seen, adds fused) for logs and tests.
+"""
+
+import collections
+import functools
+import hashlib
+import logging
+import operator
+import os
+
+import torch
+from torch import fx
+
+from . import _torch_compat
+
+ENV = "SHARDNORM_COMPILE_FUSION"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+counts = collections.Counter()
+_log = logging.getLogger(__name__)
+_installed = False
+
+
+def install() -> bool:
+    """Hand the pass to Inductor (once; cheap to call again). False while Inductor is not loaded."""
+    global _installed
+    if not _installed:
+        _installed = _torch_compat.add_inductor_pre_grad_pass(fuse_residual_adds, _uuid)
+    return _installed
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _uuid() -> str:
+    """This file's contents and the on/off switch: what Inductor's caches must see change."""
+    return f"{_source_hash()}-{int(_enabled())}"
+
+
+@functools.cache
+def _source_hash() -> str:
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def fuse_residual_adds(graph: fx.Graph) -> int:
+    """Rewrite each `norm_fwd(rows(a + b))` without a residual into `norm_fwd(rows(a), residual=rows(b))`
+    whose second output replaces a + b everywhere. Returns the number fused in `graph`."""
+    if not _enabled():
+        return 0
+    norm_op = torch.ops.shardnorm.norm_fwd.default
+    fused = 0
+    for norm in [n for n in graph.nodes if n.op == "call_function" and n.target is norm_op]:
+        add, rows = _fusable(norm)
+        if add is None:
+            continue
+        x, weight, bias, _, eps, rms, zero_centered = norm.args
+        a, b = add.args
+        with graph.inserting_before(norm):
+            new = graph.call_function(_add_then_norm, (a, b, weight, bias, eps, rms, zero_centered))
+            h = graph.call_function(operator.getitem, (new, 1))
+        old_outputs = norm.meta.get("example_value")
+        if old_outputs is not None:
+            new.meta["example_value"] = (old_outputs[0], add.meta["example_value"], *old_outputs[2:])
+        h.meta["example_value"] = add.meta["example_value"]
+        norm.replace_all_uses_with(new)  # y, mean, rstd keep their indices; index 1 (z) had no user
+        add.replace_all_uses_with(h)
+        for dead in (norm, rows, add):
+            if dead is not None and not dead.users:
+                graph.erase_node(dead)
+        fused += 1
+    counts["graphs"] += 1
+    counts["fused_adds"] += fused
+    if fused:
+        _log.info("shardnorm: fused %d residual add(s) into norm kernels", fused)
+    return fused
+
+
+def _add_then_norm(x, residual, weight, bias, eps, rms, zero_centered):
+    """(y, x + residual in x's shape, mean, rstd): the fused op on [M, N] rows."""
+    n = x.shape[-1]
+    y, z, mean, rstd = torch.ops.shardnorm.norm_fwd(_rows(x, n), weight, bias, _rows(residual, n), eps, rms,
+                                                    zero_centered)
+    return y, z.view(x.shape), mean, rstd
+
+
+def _rows(t, n):
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+_ADD_FUNCTIONS = (operator.add, torch.add)
+_RESHAPES = ("reshape", "view")
+
+
+def _fusable(norm: fx.Node):
+    """(the add node, the reshape between it and the norm or None) if `norm` can take the add in, else
+    (None, None). Only a plain same-shape, same-dtype add of two tensors whose every other use comes after
+    the norm (where h will be defined), feeding a norm without a residual."""
+    if len(norm.args) != 7 or norm.kwargs or norm.args[3] is not None:
+        return None, None
+    if any(user.op != "call_function" or user.target is not operator.getitem or user.args[1] == 1
+           for user in norm.users):
+        return None, None
+    x = norm.args[0]
+    rows = None
+    if isinstance(x, fx.Node) and x.op == "call_method" and x.target in _RESHAPES and len(x.users) == 1:
+        rows, x = x, x.args[0]
+    if not (isinstance(x, fx.Node) and _is_add(x)):
+        return None, None
+    a, b = x.args
+    h, va, vb = (_value(n) for n in (x, a, b))
+    if h is None or va is None or vb is None or h.dtype not in SUPPORTED_DTYPES or h.dim() == 0:
+        return None, None
+    if any(v.shape != h.shape or v.dtype != h.dtype or v.device != h.device for v in (va, vb)):
+        return None, None
+    rows_value = _value(rows if rows is not None else x)
+    if rows_value is None or rows_value.dim() != 2 or rows_value.shape[1] != h.shape[-1]:
+        return None, None
+    for node in _between(x, norm):  # h's other uses must come after the norm, where the fused op defines it
+        if x in node.all_input_nodes and node is not rows:
+            return None, None
+    return x, rows
+
+
+def _is_add(node: fx.Node) -> bool:
+    is_add = (node.op == "call_function" and node.target in _ADD_FUNCTIONS
+              or node.op == "call_method" and node.target == "add")
+    return is_add and len(node.args) == 2 and not node.kwargs and all(isinstance(a, fx.Node) for a in node.args)
+
+
+def _value(node):
+    """The plain (fake) tensor Dynamo recorded for `node`; None for anything else (a DTensor, a tuple)."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or hasattr(type(value), "__tensor_flatten__"):
+        return None
+    return value
+
+
+def _between(first: fx.Node, last: fx.Node):
+    node = first.next
+    while node is not last:
+        yield node
+        node = node.next
