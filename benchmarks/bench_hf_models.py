@@ -10,8 +10,9 @@ loss and the grads of every norm weight (relative error; bf16, so ~1e-2 is round
 `torch.compile` (whole model, default mode); compile cases run after all eager ones and are skipped,
 recorded as such, when the time budget (--budget-s) would run out.
 
-The variants of one (arch, mode) are built side by side and timed in interleaved rounds (round 1 of
-each, then round 2 of each, ...), so a slow spell of the shared machine hits them alike. Peak memory is
+The variants of one (arch, mode) are built side by side and their steps interleaved one by one (A B C A B
+C ...), so the GPU's clock drift and a slow spell of the shared machine hit them alike (timing each
+variant's round in turn favoured whichever went first: 102.5 ms then 105.3 and 105.6 for the same model). Peak memory is
 each variant's own: the rise over what was resident before its timed steps, plus its parameters.
 In compile mode `shardnorm_unfused` is shardnorm with SHARDNORM_COMPILE_FUSION=0 (the residual add
 outside the norm's kernel): what `compile_fusion.py` is worth.
@@ -53,7 +54,7 @@ VARIANTS = {"eager": ("native", "shardnorm", "liger"),
 SMOKE_SHAPE = dict(SHAPE, vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16)  # --smoke: the code paths on a CPU, seconds
 DEVICE = "cuda"
-BATCH, SEQ, TIMED_STEPS, ROUNDS, WARMUP = 2, 4096, 10, 3, 2
+BATCH, SEQ, TIMED_STEPS, ROUNDS, WARMUP = 2, 4096, 15, 3, 2
 LOSS_REL_TOL, GRAD_REL_TOL = 1e-2, 5e-2
 FP32_SLACK = 1.25  # a variant's norm-grad error vs fp32 may exceed the model's own bf16 norms' by this factor
 FIRST_CASE_S = {"eager": 15.0, "compile": 30.0}  # time-budget estimate of a variant before one has run
@@ -200,23 +201,21 @@ def warm_up(step, params) -> None:
         p.grad = None
 
 
-def timed_round(step, params) -> tuple:
-    """(median ms of TIMED_STEPS steps, this variant's peak GiB: the rise over what was resident before, plus
-    its own parameters, so the other variants' resident models don't count). Grads are left None."""
+def timed_step(step, params) -> tuple:
+    """(ms of one step, this variant's peak GiB in it: the rise over what was resident before, plus its own
+    parameters, so the other variants' resident models don't count). Grads are left None."""
+    for p in params:
+        p.grad = None
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         resident = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(TIMED_STEPS):
-        for p in params:
-            p.grad = None
-        times.append(_timed(step))
+    ms = _timed(step)
     for p in params:
         p.grad = None
     own = sum(p.numel() * p.element_size() for p in params)
     peak = (torch.cuda.max_memory_allocated() - resident + own) / 2**30 if DEVICE == "cuda" else float("nan")
-    return statistics.median(times), peak
+    return ms, peak
 
 
 def _compare(grads: dict, loss: float, reference: dict, prefix: str) -> dict:
@@ -285,15 +284,25 @@ def prepare_case(arch, mode, variant, args, refs):
 
 
 def time_interleaved(cases: dict) -> None:
-    """ROUNDS rounds, each timing every prepared variant in turn; each row gets its round medians, the best
-    of them (`ms`) and its largest peak."""
-    for _ in range(ROUNDS):
-        for row, step, params in cases.values():
-            ms, peak = timed_round(step, params)
-            row.setdefault("round_medians_ms", []).append(ms)
-            row["peak_gib"] = max(row.get("peak_gib", 0.0), peak)
-    for row, _, _ in cases.values():
+    """ROUNDS rounds of TIMED_STEPS steps per variant, the variants' steps interleaved one by one (A B C A B C
+    ...; each round starts at the next variant), so the GPU's clock drift over a round (it runs warmer and
+    slower as a round goes on) hits every variant alike. Each row gets its round medians, the best of them
+    (`ms`), the median over all its steps (`median_ms`) and its largest peak."""
+    order = list(cases.values())
+    for r in range(ROUNDS):
+        rotated = order[r % len(order):] + order[:r % len(order)]
+        times = {id(row): [] for row, _, _ in order}
+        for _ in range(TIMED_STEPS):
+            for row, step, params in rotated:
+                ms, peak = timed_step(step, params)
+                times[id(row)].append(ms)
+                row["peak_gib"] = max(row.get("peak_gib", 0.0), peak)
+        for row, _, _ in order:
+            row.setdefault("round_medians_ms", []).append(statistics.median(times[id(row)]))
+            row.setdefault("step_ms", []).extend(times[id(row)])
+    for row, _, _ in order:
         row["ms"] = min(row["round_medians_ms"])
+        row["median_ms"] = statistics.median(row["step_ms"])
 
 
 def judge(row: dict, native_fp32_err: float | None) -> None:
@@ -320,17 +329,17 @@ def markdown(rows, meta) -> str:
     lines = [f"# HF decoders end to end ({meta['gpu']}, torch {meta['torch']}, transformers {meta['transformers']}, "
              f"liger {meta['liger_kernel']})", "",
              f"{meta['layers']} layers, hidden 4096, MLP 14336, 32/8 heads, vocab 32000, bf16, {BATCH} x {SEQ} tokens; "
-             f"fwd+bwd median of {TIMED_STEPS}, best of {ROUNDS} rounds. Parity vs the model's own norms, eager.", "",
+             f"fwd+bwd median of {TIMED_STEPS}, best of {ROUNDS} rounds, the variants' steps interleaved. Parity vs the model's own norms, eager.", "",
              "Parity columns: vs the model's own norms in bf16 eager (loss rel diff / max norm-weight grad rel err), "
              "and the max norm-weight grad rel err vs the same model in fp32 (what every bf16 variant approximates).",
              "",
-             "| arch | mode | variant | ms | vs native | round medians ms | peak GiB | loss | loss rel diff "
+             "| arch | mode | variant | ms | vs native | median ms (all steps) | round medians ms | peak GiB | loss | loss rel diff "
              "| norm grad rel err (max) | ok | norm grad rel err vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     native = {(r["arch"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "native"}
     for r in rows:
         if "error" in r or "skipped" in r:
-            lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r.get('error') or r['skipped']} |||||||||")
+            lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r.get('error') or r['skipped']} ||||||||||")
             continue
         base = native.get((r["arch"], r["mode"]))
         speed = f"{base / r['ms']:.3f}x" if base else ""
@@ -338,7 +347,8 @@ def markdown(rows, meta) -> str:
                   if "parity_ok" in r else "reference | reference | -")
         fp32 = f"{r['fp32_norm_grad_rel_err_max']:.1e}" if "fp32_norm_grad_rel_err_max" in r else "-"
         rounds = " / ".join(f"{m:.1f}" for m in r.get("round_medians_ms", []))
-        lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r['ms']:.1f} | {speed} | {rounds} | {r['peak_gib']:.2f} | "
+        median = f"{r['median_ms']:.1f}" if "median_ms" in r else "-"
+        lines.append(f"| {r['arch']} | {r['mode']} | {r['variant']} | {r['ms']:.1f} | {speed} | {median} | {rounds} | {r['peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {parity} | {fp32} |")
     lines += ["", "Notes:"] + [f"- {r['arch']} {r['mode']} {r['variant']}: {r.get('notes', '')}" for r in rows
                                if r.get("notes")]
