@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 10's H100 run (issue 18: compile fusion). Step 1: the GPU tests of the kernels, modules, ops and the
 # new Inductor pass; step 2: the HF decoder benchmark (eager and compile, native / shardnorm / unfused / liger).
-# Usage: OUT=dir bash benchmarks/gpu_session10.sh tests|hf    (liger from .whl/ into /tmp/site)
+# Usage: OUT=dir bash benchmarks/gpu_session10.sh tests|hf|fusion    (liger from .whl/ into /tmp/site)
 set -u
 OUT=${OUT:?set OUT}; mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
@@ -16,5 +16,9 @@ case "${1:-tests}" in
         tests/test_modules.py tests/test_errors.py tests/test_launch.py tests/test_torch_compat.py -rs -x ;;
   hf)
     box hf_models 560 python3 benchmarks/bench_hf_models.py --out "$OUT" --budget-s 520 ;;
+  fusion)  # after the grad-sum pass: its GPU tests, then the compiled step's kernel profile
+    box gpu_tests_fusion 200 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fusion.py tests/test_modules.py -rs
+    box profile_llama 170 python3 benchmarks/profile_hf_step.py --out "$OUT" --arch llama
+    box profile_qwen3 170 python3 benchmarks/profile_hf_step.py --out "$OUT" --arch qwen3 ;;
 esac
 echo "== [$((SECONDS - t0)) s] done"
