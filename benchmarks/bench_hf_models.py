@@ -357,6 +357,38 @@ def markdown(rows, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows, meta, path: Path) -> None:
+    """Median step time per (arch, mode), one bar per variant (matplotlib; skipped with a note without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    cases = list(dict.fromkeys((r["arch"], r["mode"]) for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cases)), 4.0))
+    width = 0.8 / len(variants)
+    for k, variant in enumerate(variants):
+        values = [next((r.get("median_ms", r.get("ms", 0.0)) for r in rows
+                        if (r["arch"], r["mode"], r["variant"]) == (*case, variant) and "ms" in r), 0.0)
+                  for case in cases]
+        ax.bar([i + (k - (len(variants) - 1) / 2) * width for i in range(len(cases))], values, width, label=variant)
+    ax.set_xticks(range(len(cases)), [f"{a}\n{m}" for a, m in cases])
+    finite = [r.get("median_ms", r["ms"]) for r in rows if "ms" in r]
+    if finite:
+        ax.set_ylim(0.9 * min(finite), 1.02 * max(finite))
+    ax.set_ylabel("ms per fwd+bwd step (median, lower is better)")
+    ax.set_title(f"HF decoders, {meta['layers']} layers of 4096, {meta['batch']} x {meta['seq']} tokens, bf16 "
+                 f"({meta['gpu']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -385,6 +417,7 @@ def main(argv=None):
                 judge(r, native.get(r["arch"]))
         (out / "hf_models.json").write_text(json.dumps(data, indent=1))
         (out / "hf_models.md").write_text(markdown(data["rows"], data["meta"]))
+        plot(data["rows"], data["meta"], out / "hf_models.png")
         print(markdown(data["rows"], data["meta"]))
         return
     start = time.perf_counter()
@@ -464,6 +497,7 @@ def main(argv=None):
             free()
     table = markdown(rows, meta)
     (out / "hf_models.md").write_text(table)
+    plot(rows, meta, out / "hf_models.png")
     print(table)
     print(f"total {time.perf_counter() - start:.0f} s")
 
