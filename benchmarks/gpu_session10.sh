@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 10's H100 run (issue 18: compile fusion). Step 1: the GPU tests of the kernels, modules, ops and the
 # new Inductor pass; step 2: the HF decoder benchmark (eager and compile, native / shardnorm / unfused / liger).
-# Usage: OUT=dir bash benchmarks/gpu_session10.sh tests|hf|fusion    (liger from .whl/ into /tmp/site)
+# Usage: OUT=dir bash benchmarks/gpu_session10.sh tests|hf|fusion|final    (liger from .whl/ into /tmp/site)
 set -u
 OUT=${OUT:?set OUT}; mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
@@ -20,5 +20,8 @@ case "${1:-tests}" in
     box gpu_tests_fusion 200 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fusion.py tests/test_modules.py -rs
     box profile_llama 170 python3 benchmarks/profile_hf_step.py --out "$OUT" --arch llama
     box profile_qwen3 170 python3 benchmarks/profile_hf_step.py --out "$OUT" --arch qwen3 ;;
+  final)  # the shipped passes (residual adds only): HF decoders, then the compiled Llama step's profile
+    box hf_models 420 python3 benchmarks/bench_hf_models.py --out "$OUT" --budget-s 380
+    box profile_llama 150 python3 benchmarks/profile_hf_step.py --out "$OUT" --arch llama ;;
 esac
 echo "== [$((SECONDS - t0)) s] done"

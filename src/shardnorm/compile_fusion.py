@@ -1,20 +1,15 @@
-"""Under torch.compile, the adds around a shardnorm norm run inside kernels that exist anyway.
+"""Under torch.compile, the residual add in front of a shardnorm norm runs inside the norm's kernel.
 
-Inductor fuses the adds next to its own norm kernels, but cannot look inside a custom op, so two graph
-passes do it for ours:
-
-- `fuse_residual_adds` (before autograd is traced): a pre-norm decoder layer computes `h = residual + out`,
-  normalizes h and keeps h as the next residual. Each such pair becomes one
-  `shardnorm::norm_fwd(out, ..., residual=residual)` that returns y and h: the forward reads the two inputs
-  once and writes h and y; the backward adds h's other grads inside the norm's backward kernel (`dz`).
-  Exact: the kernel rounds h to its dtype before it normalizes, as the add does.
-- `fuse_grad_sums` (the backward graph): a norm's output feeds several projections (q, k, v; gate, up),
-  so its grad dy is a sum of matmuls, `dq @ Wq + dk @ Wk + dv @ Wv`, summed by an add kernel that reads
-  and writes every term. The sum moves into the matmuls' epilogues (`addmm`: the previous term is read
-  as C), which costs next to nothing in a compute-bound GEMM. One rounding instead of one per add.
+A pre-norm decoder layer computes `h = residual + out`, normalizes h, and keeps h as the next residual.
+Inductor fuses that add into its own norm kernels, but cannot look inside a custom op. This pass rewrites
+each such pair, in the graph Dynamo hands Inductor (before autograd is traced), into one
+`shardnorm::norm_fwd(out, ..., residual=residual)` that returns y and h. The forward then reads the two
+inputs once and writes h and y (no separate add kernel); the backward adds h's other grads inside the
+norm's backward kernel (`dz`). The forward is exact: the kernel rounds h to its dtype before it
+normalizes, as the add does; the backward adds in fp32 and rounds once.
 
 Installed by the op's first trace under Inductor (`ops._norm_fwd_fake`); `SHARDNORM_COMPILE_FUSION=0`
-turns both off. `counts` holds what they did (graphs seen, adds fused) for logs and tests.
+turns it off. `counts` holds what it did (graphs seen, adds fused) for logs and tests.
 """
 
 import collections
@@ -40,8 +35,7 @@ def install() -> bool:
     """Hand the pass to Inductor (once; cheap to call again). False while Inductor is not loaded."""
     global _installed
     if not _installed:
-        _installed = (_torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", fuse_residual_adds, _uuid)
-                      and _torch_compat.add_inductor_graph_pass("post_grad_custom_post_pass", fuse_grad_sums, _uuid))
+        _installed = _torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", fuse_residual_adds, _uuid)
     return _installed
 
 
@@ -160,85 +154,3 @@ def _between(first: fx.Node, last: fx.Node):
         yield node
         node = node.next
 
-
-# ---- the backward: dy = a sum of matmuls ------------------------------------------------------------------
-
-_aten = torch.ops.aten
-_ATEN_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
-
-
-def fuse_grad_sums(graph: fx.Graph) -> int:
-    """Rewrite each norm backward's `dy = reshape(mm_1 + ... + mm_k)` (k >= 2, every term used only there)
-    into a chain of `addmm`s after the last of those matmuls. Returns the number of adds removed."""
-    if not _enabled():
-        return 0
-    norm_bwd = torch.ops.shardnorm.norm_bwd.default
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    removed = 0
-    for norm in [n for n in graph.nodes if n.op == "call_function" and n.target is norm_bwd]:
-        dy = norm.args[0]
-        terms = _matmul_terms(_strip_views(dy)) if isinstance(dy, fx.Node) else None
-        if not terms or len(terms) < 2 or not _same_layout(terms, dy):
-            continue
-        terms.sort(key=order.__getitem__)
-        total, total_value = terms[-1], terms[-1].meta["val"]
-        point = terms[-1]
-        for mm in terms[:-1]:
-            with graph.inserting_after(point):
-                point = graph.call_function(_aten.addmm.default, (total, *mm.args))
-            total_value = _aten.addmm.default(total_value, *(a.meta["val"] for a in mm.args))
-            point.meta["val"] = total_value
-            total = point
-        with graph.inserting_before(norm):
-            new_dy = graph.call_function(_aten.reshape.default, (total, list(dy.meta["val"].shape)))
-        new_dy.meta["val"] = total_value.reshape(dy.meta["val"].shape)
-        old_chain = _chain(dy)
-        norm.replace_input_with(dy, new_dy)
-        for node in old_chain + terms[:-1]:  # users first: the adds and views, then the replaced matmuls
-            if not node.users:
-                graph.erase_node(node)
-        removed += len(terms) - 1
-    counts["fused_grad_sums"] += removed
-    if removed:
-        _log.info("shardnorm: summed %d norm-grad term(s) in matmul epilogues", removed)
-    return removed
-
-
-def _strip_views(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _ATEN_VIEWS and len(node.users) == 1:
-        node = node.args[0]
-    return node
-
-
-def _matmul_terms(node: fx.Node):
-    """The mm nodes whose sum `node` is, through adds and reshapes each used once; None if anything else."""
-    if node.op != "call_function" or len(node.users) != 1:
-        return None
-    if node.target is _aten.mm.default:
-        return [node]
-    if node.target is _aten.add.Tensor and len(node.args) == 2 and not node.kwargs and \
-            all(isinstance(a, fx.Node) for a in node.args):
-        left, right = (_matmul_terms(_strip_views(a)) for a in node.args)
-        return left + right if left and right else None
-    return None
-
-
-def _same_layout(terms, dy: fx.Node) -> bool:
-    """Every term an [M, N] matmul of dy's dtype and size: their sum, reshaped, is dy."""
-    values = [t.meta.get("val") for t in terms] + [dy.meta.get("val")]
-    if any(v is None for v in values):
-        return False
-    first, want = values[0], values[-1]
-    return all(v.shape == first.shape and v.dtype == want.dtype for v in values[:-1]) and \
-        first.dim() == 2 and first.numel() == want.numel()
-
-
-def _chain(dy: fx.Node) -> list:
-    """dy and the views and adds below it, users before what they use (the order to erase them in)."""
-    out, stack = [], [dy]
-    while stack:
-        node = stack.pop()
-        if node.op == "call_function" and node.target is not _aten.mm.default and node not in out:
-            out.append(node)
-            stack.extend(a for a in node.args if isinstance(a, fx.Node))
-    return out
