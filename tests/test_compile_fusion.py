@@ -148,3 +148,35 @@ def test_chains_an_existing_inductor_pass():
         assert inductor_config.pre_grad_custom_pass.uuid() is None  # the user's pass has no uuid: no caching
     finally:
         inductor_config.pre_grad_custom_pass = saved
+
+
+def test_hf_trainer_torch_compile(tmp_path, monkeypatch):
+    """transformers' own Trainer with `torch_compile=True` after `enable(trainer)`: the residual adds fuse inside
+    the model Trainer compiles, and its losses equal the eager Trainer's with the model's own norms (fp32,
+    gradient accumulation 2, clipping)."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_trainer import STEPS, _args, _losses, _save_tiny_qwen3, _Tokens
+
+    from shardnorm.integrations.transformers import enable
+
+    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    path = tmp_path / "qwen3"
+    _save_tiny_qwen3(path, seed=5)
+    data = _Tokens(4 * STEPS, seed=6)
+
+    def run(out, compiled: bool, shardnorm_on: bool):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainer = transformers.Trainer(model=model, args=_args(str(tmp_path / out), 2, 2, torch_compile=compiled),
+                                       train_dataset=data)
+        if shardnorm_on:
+            enable(trainer)
+        trainer.train()
+        return _losses(trainer)
+
+    before = compile_fusion.counts["fused_adds"]
+    compiled = run("compiled", compiled=True, shardnorm_on=True)
+    assert compile_fusion.counts["fused_adds"] - before == 4  # 2 layers: post-attention norms, layer 1's, final
+    eager = run("eager", compiled=False, shardnorm_on=False)
+    assert len(compiled) == len(eager) == STEPS
+    for step, (got, want) in enumerate(zip(compiled, eager)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
