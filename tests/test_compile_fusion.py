@@ -130,26 +130,6 @@ def test_left_alone_where_fusing_would_change_something(monkeypatch):
     assert fused == 0 and rel_err(out, norm(a.float() + a.float().flip(0))) < 1e-6
 
 
-def test_chains_an_existing_inductor_pass():
-    """A user's pre-grad pass set before shardnorm's is kept and runs first."""
-    import torch._inductor.config as inductor_config
-
-    from shardnorm import _torch_compat
-
-    seen = []
-    saved = inductor_config.pre_grad_custom_pass
-    try:
-        inductor_config.pre_grad_custom_pass = lambda graph: seen.append("user")
-        marker = lambda graph: seen.append("shardnorm")  # noqa: E731
-        assert _torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", marker, lambda: "v1")
-        assert _torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", marker, lambda: "v1")  # idempotent
-        inductor_config.pre_grad_custom_pass(torch.fx.Graph())
-        assert seen == ["user", "shardnorm"]
-        assert inductor_config.pre_grad_custom_pass.uuid() is None  # the user's pass has no uuid: no caching
-    finally:
-        inductor_config.pre_grad_custom_pass = saved
-
-
 def test_hf_trainer_torch_compile(tmp_path, monkeypatch):
     """transformers' own Trainer with `torch_compile=True` after `enable(trainer)`: the residual adds fuse inside
     the model Trainer compiles, and its losses equal the eager Trainer's with the model's own norms (fp32,

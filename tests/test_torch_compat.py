@@ -147,3 +147,23 @@ def test_fast_apply_is_function_apply():
         torch.func.grad(lambda t: apply(t, w, 3.0).sum())(x.detach())
     with pytest.raises(TypeError, match="setup_context"):
         compat.fast_apply(type("WithSetup", (_Scale,), {"setup_context": staticmethod(lambda *a: None)}), 2)
+
+
+def test_inductor_pre_grad_pass_runs_after_an_existing_one():
+    """Inductor's pre-grad custom pass slot still exists and takes a CustomGraphPass; a user's pass set before
+    shardnorm's is kept and runs first; installing twice installs once; no uuid on the user's pass, no caching."""
+    import torch._inductor.config as inductor_config
+
+    assert hasattr(inductor_config, "pre_grad_custom_pass"), _gone("torch._inductor.config.pre_grad_custom_pass")
+    seen = []
+    saved = inductor_config.pre_grad_custom_pass
+    try:
+        inductor_config.pre_grad_custom_pass = lambda graph: seen.append("user")
+        marker = lambda graph: seen.append("shardnorm")  # noqa: E731
+        assert compat.add_inductor_pre_grad_pass(marker, lambda: "v1")
+        assert compat.add_inductor_pre_grad_pass(marker, lambda: "v1")
+        inductor_config.pre_grad_custom_pass(torch.fx.Graph())
+        assert seen == ["user", "shardnorm"]
+        assert inductor_config.pre_grad_custom_pass.uuid() is None
+    finally:
+        inductor_config.pre_grad_custom_pass = saved

@@ -35,7 +35,7 @@ def install() -> bool:
     """Hand the pass to Inductor (once; cheap to call again). False while Inductor is not loaded."""
     global _installed
     if not _installed:
-        _installed = _torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", fuse_residual_adds, _uuid)
+        _installed = _torch_compat.add_inductor_pre_grad_pass(fuse_residual_adds, _uuid)
     return _installed
 
 
