@@ -160,3 +160,16 @@ def test_hf_trainer_torch_compile(tmp_path, monkeypatch):
     assert len(compiled) == len(eager) == STEPS
     for step, (got, want) in enumerate(zip(compiled, eager)):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+
+
+def test_reinstalled_after_the_slot_was_reset(monkeypatch):
+    """Inductor's slot emptied after an earlier compile (a `config.patch` leaving, or the user): the next trace
+    of the op puts the pass back, and the add fuses."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", None)
+    model = PreNorm(shardnorm.RMSNorm(32))
+    a, b = torch.randn(4, 32), torch.randn(4, 32)
+    (y, h), fused = _fused_when_compiled(model, a, b)
+    assert fused == 1 and torch.equal(h, a + b) and rel_err(y, model.norm(a + b)) < 1e-6

@@ -28,15 +28,13 @@ ENV = "SHARDNORM_COMPILE_FUSION"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 counts = collections.Counter()
 _log = logging.getLogger(__name__)
-_installed = False
 
 
 def install() -> bool:
-    """Hand the pass to Inductor (once; cheap to call again). False while Inductor is not loaded."""
-    global _installed
-    if not _installed:
-        _installed = _torch_compat.add_inductor_pre_grad_pass(fuse_residual_adds, _uuid)
-    return _installed
+    """Hand the pass to Inductor, unless it holds it already (checked each time: a `config.patch` or the user
+    may have replaced it since). Cheap: called from the op's fake impl, i.e. while tracing only. False while
+    Inductor is not loaded."""
+    return _torch_compat.add_inductor_pre_grad_pass(fuse_residual_adds, _uuid)
 
 
 def _enabled() -> bool:
