@@ -26,10 +26,10 @@ PROFILED_STEPS = 3
 
 def kind(name: str) -> str:
     n = name.lower()
+    if any(k in n for k in ("flash", "attention", "fmha", "sdpa")):  # first: cuDNN's SDPA kernels say sm90 too
+        return "attention"
     if any(k in n for k in ("gemm", "sm90", "cutlass", "cublas", "matmul", "xmma", "nvjet")):
         return "gemm"
-    if any(k in n for k in ("flash", "attention", "fmha", "sdpa")):
-        return "attention"
     if any(k in n for k in ("norm_fwd", "norm_bwd", "row_sums", "column_sum", "coop_bwd", "rsqrt", "rms", "layer_norm")):
         return "norm"
     return "other"

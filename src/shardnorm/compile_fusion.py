@@ -23,9 +23,9 @@ import torch
 from torch import fx
 
 from . import _torch_compat
+from .ops import as_rows
 
 ENV = "SHARDNORM_COMPILE_FUSION"
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 counts = collections.Counter()
 _log = logging.getLogger(__name__)
 
@@ -88,14 +88,9 @@ def fuse_residual_adds(graph: fx.Graph) -> int:
 def _add_then_norm(x, residual, weight, bias, eps, rms, zero_centered):
     """(y, x + residual in x's shape, mean, rstd): the fused op on [M, N] rows."""
     n = x.shape[-1]
-    y, z, mean, rstd = torch.ops.shardnorm.norm_fwd(_rows(x, n), weight, bias, _rows(residual, n), eps, rms,
+    y, z, mean, rstd = torch.ops.shardnorm.norm_fwd(as_rows(x, n), weight, bias, as_rows(residual, n), eps, rms,
                                                     zero_centered)
     return y, z.view(x.shape), mean, rstd
-
-
-def _rows(t, n):
-    t = t.reshape(-1, n)
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 _ADD_FUNCTIONS = (operator.add, torch.add)
@@ -119,7 +114,7 @@ def _fusable(norm: fx.Node):
         return None, None
     a, b = x.args
     h, va, vb = (_value(n) for n in (x, a, b))
-    if h is None or va is None or vb is None or h.dtype not in SUPPORTED_DTYPES or h.dim() == 0:
+    if h is None or va is None or vb is None or h.dim() == 0:  # h's dtype: the norm's own checks passed it
         return None, None
     if any(v.shape != h.shape or v.dtype != h.dtype or v.device != h.device for v in (va, vb)):
         return None, None

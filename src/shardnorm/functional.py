@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .ops import as_rows as _rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ShapeLike = Union[int, Sequence[int], torch.Size]
@@ -56,15 +57,6 @@ def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
 
 # torch.finfo(dtype).eps, the default eps of rms_norm (torch.finfo costs ~0.5 us per call).
 _DEFAULT_EPS = {dtype: torch.finfo(dtype).eps for dtype in SUPPORTED_DTYPES}
-
-
-def _rows(t: Tensor, n: int, flat: bool = False) -> Tensor:
-    """[..., N] as [M, N] with a contiguous last dim (a view where strides allow); `flat`: t is
-    already [M, N]."""
-    if flat and t.stride(1) == 1:
-        return t
-    t = t.reshape(-1, n)
-    return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
 
 
 def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool, zero_centered: bool):

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _torch_compat, compile_fusion, reference
+from . import _torch_compat, reference
 
 BACKENDS = ("triton", "torch")
 
@@ -56,6 +56,15 @@ def _kernels():
     return kernels
 
 
+def as_rows(t: Tensor, n: int, flat: bool = False) -> Tensor:
+    """[..., N] as the [M, N] rows the ops take, last dim contiguous (a view where strides allow); `flat`: t is
+    already [M, N]."""
+    if flat and t.stride(1) == 1:
+        return t
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
+
+
 def _present(outputs: tuple, like: Tensor) -> tuple:
     """Absent outputs (None) as empty tensors: a custom op's schema returns Tensors."""
     return tuple(like.new_empty(0) if t is None else t for t in outputs)
@@ -69,7 +78,9 @@ def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residu
 
 @norm_fwd.register_fake
 def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
-    compile_fusion.install()  # traced for torch.compile: let Inductor fuse residual adds into this op
+    from . import compile_fusion  # traced for torch.compile (only then): let Inductor fuse residual adds into this op
+
+    compile_fusion.install()
     M, N = x.shape
     z = x.new_empty((M, N), dtype=torch.result_type(x, residual)) if residual is not None else x.new_empty(0)
     stats = lambda rows: x.new_empty(rows, dtype=torch.float32)  # noqa: E731
