@@ -1,4 +1,4 @@
-"""Kernel benchmark on one GPU: shardnorm vs torch eager, torch.compile and Liger-Kernel.
+"""Kernel benchmark on one GPU: shardnorm vs torch eager, torch.compile, Liger-Kernel and quack.
 
 Every provider runs the same shapes in the same process; each one's y, dx and dgamma are checked
 against a float64 reference first, so a fast wrong kernel cannot win. Times are
@@ -11,12 +11,17 @@ sum. Backward is timed as `y.backward(dy, retain_graph=True)`, so it includes th
 reduction. A device-to-device copy measured in the same run is the ceiling.
 
     python benchmarks/bench_kernels.py --out results.json [--quick] [--max-autotune] [--repeats 3]
+        [--shapes genai,llama,qk,longrow] [--providers shardnorm,quack,...]
 
-`benchmarks/report.py results.json` turns the JSON into the markdown table and the plot.
+Liger-Kernel and quack (CuTe-DSL kernels, benchmark-only: shardnorm never imports it;
+`benchmarks/quack_env.sh` installs it on the GPU machine) are optional: a peer that does not import is
+skipped with one line. `benchmarks/report.py results.json` turns the JSON into the markdown table and
+the plot.
 """
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import math
 import sys
@@ -31,6 +36,18 @@ import shardnorm
 GENAI = [(32768, n) for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536)]
 LLAMA = [(16384, n) for n in (4096, 5120, 8192, 14336)]
 QK_NORM = [(262144, n) for n in (64, 128, 256)]
+# Issue 22's long rows. M = 32768 at N = 65536 (4 GiB per bf16 tensor) is what GENAI has always run:
+# one input set, and every provider fits in 80 GB but torch eager RMSNorm with fp32 weights (its
+# fp32 upcast path runs out of memory; reported as failed, as before).
+LONGROW_LN = [(16384, 14336)] + [(32768, n) for n in (16384, 32768, 65536)]
+LONGROW_RMS = [(32768, n) for n in (32768, 65536)]
+SHAPE_GROUPS = {  # --shapes group -> norm -> [(M, N)]
+    "genai": dict(rms=GENAI, layer=GENAI),
+    "llama": dict(rms=LLAMA, layer=LLAMA),
+    "qk": dict(rms=QK_NORM, layer=QK_NORM),
+    "longrow": dict(rms=LONGROW_RMS, layer=LONGROW_LN),
+}
+PROVIDERS = ("shardnorm", "torch", "torch.compile", "torch.compile-max-autotune", "liger", "quack")
 EPS = 1e-6
 REF_ROWS = 512  # rows of y/dx compared in float64 (dgamma uses all rows)
 
@@ -42,8 +59,9 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
-def make_providers(rms: bool, n: int, max_autotune: bool) -> dict:
-    """name -> fn(x, w, b) for one norm and hidden size."""
+def make_providers(rms: bool, n: int, max_autotune: bool, weight_dtype=torch.bfloat16, only=PROVIDERS) -> dict:
+    """name -> fn(x, w, b) for one norm and hidden size, limited to `only`. A fn's `note`, if it has
+    one, goes into its rows (what differs from the other providers' call)."""
     if rms:
         eager = lambda x, w, b: F.rms_norm(x, (n,), w, EPS)  # noqa: E731
         ours = lambda x, w, b: shardnorm.rms_norm(x, (n,), w, EPS)  # noqa: E731
@@ -54,17 +72,73 @@ def make_providers(rms: bool, n: int, max_autotune: bool) -> dict:
     if max_autotune:
         providers["torch.compile-max-autotune"] = torch.compile(eager, dynamic=False,
                                                                 mode="max-autotune-no-cudagraphs")
+    if "liger" in only:
+        providers.update(liger_provider(rms))
+    if "quack" in only:
+        providers.update(quack_provider(rms, weight_dtype))
+    return {name: fn for name, fn in providers.items() if name in only}
+
+
+def skipped(peer: str, e: Exception) -> dict:
+    print(f"  {peer}: not importable ({type(e).__name__}: {e}); the table has no {peer} column", flush=True)
+    return {}
+
+
+def liger_provider(rms: bool) -> dict:
     try:
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except ImportError as e:
-        print(f"  liger: not importable ({e}); the table has no Liger column", flush=True)
-        return providers
+        return skipped("liger", e)
     if rms:
-        providers["liger"] = lambda x, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
-    else:
-        providers["liger"] = lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
-    return providers
+        return {"liger": lambda x, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)}
+    return {"liger": lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)}
+
+
+def quack_provider(rms: bool, weight_dtype) -> dict:
+    """quack-kernels (CuTe-DSL, Tri Dao). RMSNorm: `quack.rmsnorm.rmsnorm`, its autograd entry, which
+    takes bf16 or fp32 weights as they are. LayerNorm has no autograd entry: `layernorm_fwd` and
+    `layernorm_bwd` in one Function. `layernorm_fwd` asserts fp32 weight and bias, so bf16 ones are
+    cast per forward and their grads cast back (the row's note says so: 2 + 2 small kernels that the
+    other providers do not launch)."""
+    try:
+        from quack.rmsnorm import layernorm_bwd, layernorm_fwd, rmsnorm
+    except Exception as e:  # ImportError, or CUTLASS's DSL failing to load its CUDA libraries
+        return skipped("quack", e)
+    if rms:
+        return {"quack": lambda x, w, b: rmsnorm(x, w, eps=EPS)}
+
+    class QuackLayerNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b):
+            w32, b32 = w.float(), b.float()  # no copy when already fp32
+            y, rstd, mean = layernorm_fwd(x, w32, b32, EPS, return_rstd=True, return_mean=True)
+            ctx.save_for_backward(x, w32, rstd, mean)
+            ctx.dtypes = w.dtype, b.dtype
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w32, rstd, mean = ctx.saved_tensors
+            dx, dw, db = layernorm_bwd(x, w32, dy.contiguous(), rstd, mean, has_bias=True)
+            return dx, dw.to(ctx.dtypes[0]), db.to(ctx.dtypes[1])
+
+    fn = lambda x, w, b: QuackLayerNorm.apply(x, w, b)  # noqa: E731
+    if weight_dtype != torch.float32:
+        fn.note = (f"{str(weight_dtype).removeprefix('torch.')} weight and bias cast to fp32 per call, grads cast "
+                   "back (quack LayerNorm takes fp32 only)")
+    return {"quack": fn}
+
+
+def peer_versions() -> dict:
+    """Installed versions of the optional peers (from their metadata, nothing imported)."""
+    versions = {}
+    for dist in ("liger-kernel", "quack-kernels", "nvidia-cutlass-dsl"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
 
 
 def reference(x, w, b, dy, rms: bool):
@@ -107,7 +181,7 @@ def time_provider(fn, xs, dys, w, b, params):
     return ms_fwd, ms_bwd, do_bench(step, grad_to_none=xs + params, return_mode="median")
 
 
-def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats):
+def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats, only=PROVIDERS):
     dtype = torch.bfloat16
     es = torch.tensor([], dtype=dtype).element_size()
     x_bytes = m * n * es
@@ -119,9 +193,11 @@ def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats):
     ref = reference(xs[0].detach(), w.detach(), b.detach() if b is not None else None, dys[0], rms)
     params = [w] + ([b] if b is not None else [])
     rows, timed = [], []
-    for name, fn in make_providers(rms, n, max_autotune).items():
+    for name, fn in make_providers(rms, n, max_autotune, weight_dtype, only).items():
         row = dict(provider=name, norm="rms" if rms else "layer", M=m, N=n, x_dtype="bf16",
                    weight_dtype=str(weight_dtype).replace("torch.", ""), input_sets=sets)
+        if getattr(fn, "note", None):
+            row["note"] = fn.note
         rows.append(row)
         try:
             y = fn(xs[0], w, b)
@@ -153,36 +229,57 @@ def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats):
             row[f"{key}_of_copy"] = row[f"{key}_gbs"] / copy_gbs
         print(f"  {row['provider']:28s} fwd {row['fwd_gbs']:7.0f} GB/s ({row['fwd_of_copy']:4.0%})  "
               f"bwd {row['bwd_gbs']:7.0f} GB/s ({row['bwd_of_copy']:4.0%})  "
-              f"err y {row['err']['y']:.1e} dx {row['err']['dx']:.1e} dw {row['err']['dw']:.1e}", flush=True)
+              f"err y {row['err']['y']:.1e} dx {row['err']['dx']:.1e} dw {row['err']['dw']:.1e}"
+              + (f"  [{row['note']}]" if "note" in row else ""), flush=True)
     return rows
+
+
+def comma_list(choices):
+    """argparse type: a comma list whose items are all in choices."""
+    def parse(text):
+        items = text.split(",")
+        unknown = [i for i in items if i not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(choices)}")
+        return items
+    return parse
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--quick", action="store_true", help="genai shapes, bf16 weights only")
+    parser.add_argument("--quick", action="store_true", help="genai shapes (unless --shapes), bf16 weights only")
     parser.add_argument("--max-autotune", action="store_true", help="add torch.compile max-autotune-no-cudagraphs")
     parser.add_argument("--norms", default="rms,layer")
     parser.add_argument("--weights", default="bfloat16,float32")
+    parser.add_argument("--shapes", type=comma_list(tuple(SHAPE_GROUPS)),
+                        help="shape groups, comma list of " + ", ".join(SHAPE_GROUPS)
+                        + " (default genai,llama,qk; --quick: genai); longrow: issue 22's long rows, "
+                        "LayerNorm N = 14336 (M = 16384), 16384, 32768, 65536 and RMSNorm N = 32768, 65536 "
+                        "(M = 32768)")
+    parser.add_argument("--providers", type=comma_list(PROVIDERS), default=list(PROVIDERS),
+                        help="only these, comma list of " + ", ".join(PROVIDERS) + " (default all)")
     parser.add_argument("--repeats", type=int, default=3, help="timing rounds over all providers; best median kept")
     args = parser.parse_args(argv)
+    groups = args.shapes or (["genai"] if args.quick else ["genai", "llama", "qk"])
     torch._dynamo.config.cache_size_limit = 1024
     torch._functorch.config.donated_buffer = False  # compiled backward is re-run with retain_graph
     copy_gbs = copy_bandwidth()
     props = torch.cuda.get_device_properties(0)
     meta = dict(gpu=props.name, sm_count=props.multi_processor_count, date=datetime.date.today().isoformat(),
-                torch=torch.__version__, triton=triton.__version__, copy_gbs=copy_gbs, repeats=args.repeats,
-                command=" ".join([sys.executable.split("/")[-1]] + sys.argv))
+                torch=torch.__version__, triton=triton.__version__, peers=peer_versions(), copy_gbs=copy_gbs,
+                repeats=args.repeats, command=" ".join([sys.executable.split("/")[-1]] + sys.argv))
     print(f"{props.name}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
-    shapes = GENAI if args.quick else GENAI + LLAMA + QK_NORM
     weights = ["bfloat16"] if args.quick else args.weights.split(",")
     rows = []
     for norm in args.norms.split(","):
+        # groups overlap (longrow's shapes are in genai and llama): each shape once, in group order
+        shapes = dict.fromkeys(shape for g in groups for shape in SHAPE_GROUPS[g][norm])
         for wd in weights:
             for m, n in shapes:
                 print(f"{norm} M={m} N={n} weight={wd}", flush=True)
                 rows += bench_shape(m, n, norm == "rms", getattr(torch, wd), args.max_autotune, copy_gbs,
-                                    args.repeats)
+                                    args.repeats, args.providers)
                 torch.cuda.empty_cache()
                 with open(args.out, "w") as f:
                     json.dump(dict(meta=meta, rows=rows), f, indent=1)

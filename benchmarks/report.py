@@ -3,17 +3,20 @@
     python benchmarks/report.py results/h100-2026-11-22.json [more.json] --md out.md --png out.png
 
 Cells are forward / backward GB/s; a provider whose output missed the float64 reference is marked
-"(wrong)" and never counts as the best peer. Summary: per norm and weight dtype, the backward
-geometric-mean speedup of shardnorm over the best peer at each shape, and the shapes where
-shardnorm reaches 90% of the copy bandwidth.
+"(wrong)" and never counts as the best peer. Peers get a column only where the JSON has them. A row's
+note (e.g. quack's LayerNorm casting bf16 weights to fp32) marks its cell with [k], spelled out under
+the table (and in the plot's legend). Summary: per norm and weight dtype, the backward geometric-mean
+speedup of shardnorm over the best peer (any provider but shardnorm) at each shape, and the shapes
+where shardnorm reaches 90% of the copy bandwidth.
 """
 
 import argparse
 import json
 import math
+import textwrap
 from collections import defaultdict
 
-PEERS = ("torch", "torch.compile", "liger")
+PEERS = ("torch", "torch.compile", "torch.compile-max-autotune", "liger", "quack")
 
 
 def load(paths):
@@ -26,13 +29,20 @@ def load(paths):
     return meta, rows
 
 
-def cell(row) -> str:
+def cell(row, notes) -> str:
+    """A row's cell; its note, if any, becomes a [k] marker and is added to notes (text -> k)."""
     if row is None:
         return "-"
+    mark = f" [{notes.setdefault(row['note'], len(notes) + 1)}]" if "note" in row else ""
     if "failed" in row:
-        return "fails"
+        return "fails" + mark
     flag = "" if row["correct"] else " (wrong)"
-    return f"{row['fwd_gbs']:.0f} / {row['bwd_gbs']:.0f}{flag}"
+    return f"{row['fwd_gbs']:.0f} / {row['bwd_gbs']:.0f}{flag}{mark}"
+
+
+def present_peers(rows) -> list:
+    providers = {r["provider"] for r in rows}
+    return [p for p in PEERS if p in providers]
 
 
 def best_peer(by_provider, key):
@@ -44,17 +54,19 @@ def markdown(meta, rows) -> str:
     groups = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         groups[(r["norm"], r["weight_dtype"])][(r["M"], r["N"])][r["provider"]] = r
+    peers = present_peers(rows)
+    versions = "".join(f", {dist} {v}" for dist, v in meta.get("peers", {}).items())
     out = [f"# Kernel benchmark: {meta['gpu']}, {meta['date']}", "",
-           f"torch {meta['torch']}, triton {meta['triton']}; device-to-device copy in the same run: "
+           f"torch {meta['torch']}, triton {meta['triton']}{versions}; device-to-device copy in the same run: "
            f"**{meta['copy_gbs']:.0f} GB/s**. Cells: forward / backward GB/s (bf16 x and dy), from do_bench "
            f"medians, the best of {meta.get('repeats', 1)} round(s) over all providers. "
            f"Command: `{meta['command']}`.", ""]
     for (norm, wdtype), shapes in sorted(groups.items()):
         name = "RMSNorm" if norm == "rms" else "LayerNorm (with bias)"
         out += [f"## {name}, {wdtype} weights", "",
-                "| M x N | shardnorm | fwd / bwd of copy | " + " | ".join(PEERS) + " | bwd vs best peer |",
-                "|---|---|---|" + "---|" * len(PEERS) + "---|"]
-        speedups, at_copy = [], []
+                "| M x N | shardnorm | fwd / bwd of copy | " + " | ".join(peers) + " | bwd vs best peer |",
+                "|---|---|---|" + "---|" * len(peers) + "---|"]
+        speedups, at_copy, notes = [], [], {}
         for (m, n), by_provider in sorted(shapes.items(), key=lambda kv: (kv[0][0] != 32768, kv[0][1])):
             ours = by_provider.get("shardnorm")
             peer = best_peer(by_provider, "bwd_gbs")
@@ -65,11 +77,14 @@ def markdown(meta, rows) -> str:
                        else "-")
             if ours and "fwd_of_copy" in ours and min(ours["fwd_of_copy"], ours["bwd_of_copy"]) >= 0.9:
                 at_copy.append(n)
-            out.append(f"| {m} x {n} | {cell(ours)} | {of_copy} | "
-                       + " | ".join(cell(by_provider.get(p)) for p in PEERS)
+            out.append(f"| {m} x {n} | {cell(ours, notes)} | {of_copy} | "
+                       + " | ".join(cell(by_provider.get(p), notes) for p in peers)
                        + f" | {f'{ratio:.2f}x' if ratio else '-'} |")
         geo = math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else float("nan")
-        out += ["", f"Backward geometric-mean speedup over the best correct peer: **{geo:.2f}x**; "
+        out.append("")
+        if notes:
+            out += [f"[{k}] {text}  " for text, k in notes.items()] + [""]
+        out += [f"Backward geometric-mean speedup over the best correct peer: **{geo:.2f}x**; "
                 f"forward and backward both >= 90% of copy at N = {at_copy or 'none'}.", ""]
     return "\n".join(out)
 
@@ -84,11 +99,13 @@ def plot(rows, path):
     for i, norm in enumerate(("rms", "layer")):
         for j, key in enumerate(("fwd_gbs", "bwd_gbs")):
             ax = axes[i][j]
-            for provider in ("shardnorm",) + PEERS:
-                pts = sorted((r["N"], r[key]) for r in rows if r["provider"] == provider and r["norm"] == norm
-                             and r["M"] == 32768 and r["weight_dtype"] == "bfloat16" and key in r)
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=provider)
+            for provider in ["shardnorm"] + present_peers(rows):
+                curve = [r for r in rows if r["provider"] == provider and r["norm"] == norm
+                         and r["M"] == 32768 and r["weight_dtype"] == "bfloat16" and key in r]
+                notes = sorted({r["note"] for r in curve if "note" in r})
+                if curve:
+                    ax.plot(*zip(*sorted((r["N"], r[key]) for r in curve)), marker="o",
+                            label="\n".join([provider] + [textwrap.fill(note, 44) for note in notes]))
             ax.set_xscale("log", base=2)
             ax.set_title(f"{'RMSNorm' if norm == 'rms' else 'LayerNorm'} {'forward' if j == 0 else 'backward'}, "
                          "M=32768, bf16")
@@ -96,7 +113,8 @@ def plot(rows, path):
             ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("N (hidden size)")
-    axes[0][0].legend()
+    for row in axes:
+        row[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
