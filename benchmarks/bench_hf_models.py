@@ -14,8 +14,8 @@ The variants of one (arch, mode) are built side by side and their steps interlea
 C ...), so the GPU's clock drift and a slow spell of the shared machine hit them alike (timing each
 variant's round in turn favoured whichever went first: 102.5 ms then 105.3 and 105.6 for the same model). Peak memory is
 each variant's own: the rise over what was resident before its timed steps, plus its parameters.
-In compile mode `shardnorm_unfused` is shardnorm with SHARDNORM_COMPILE_FUSION=0 (the residual add
-outside the norm's kernel): what `compile_fusion.py` is worth.
+In compile mode `shardnorm_unfused` is shardnorm with SHARDNORM_COMPILE_FUSION=0 (the residual add and the
+sum of the norm's output grads outside the norm's kernels): what `compile_fusion.py` is worth.
 
 Weights are random (seeded), norm weights moved off their init (+ N(0, 0.2)) so a scale error shows.
 Liger (liger_kernel): `apply_liger_kernel_to_<arch>(model=..., rms_norm=True, everything else False)`,
@@ -276,7 +276,8 @@ def prepare_case(arch, mode, variant, args, refs):
                    first_step_s=time.perf_counter() - t0)
         if mode == "compile" and variant.startswith("shardnorm"):
             fused = {k: v - fused_before.get(k, 0) for k, v in compile_fusion.counts.items()}
-            row["notes"] += f"; {fused.get('fused_adds', 0)} residual adds fused into norms"
+            row["notes"] += (f"; {fused.get('fused_adds', 0)} residual adds fused into norms, "
+                             f"{fused.get('fused_grad_terms', 0)} grad adds into their backward")
         if "native" in refs:
             row.update(_compare(first["grads"], first["loss"], refs["native"], ""))
             row["parity_ok"] = row["loss_rel_diff"] <= LOSS_REL_TOL and row["norm_grad_rel_err_max"] <= GRAD_REL_TOL

@@ -1,6 +1,7 @@
-"""torch.compile folds the residual add in front of a shardnorm norm into the norm's op (compile_fusion.py):
-on real Hugging Face decoders, on the Triton kernels, exactly in the forward, and never where it would change
-a result."""
+"""torch.compile folds the adds around a shardnorm norm into its ops (compile_fusion.py): the residual add in
+front of the norm into the forward, the sum of the norm's output grads into the backward kernel; on real
+Hugging Face decoders, on the Triton kernels, exactly in the forward, and never where it would change a
+result."""
 
 import copy
 
@@ -60,6 +61,8 @@ def test_hf_decoder_adds_fused_and_exact(arch, monkeypatch):
     got = torch.compile(model)(**inputs)
     got.loss.backward()
     assert compile_fusion.counts["fused_adds"] - before.get("fused_adds", 0) == 2 * LAYERS
+    # the grads of q + k + v (2 adds) and gate + up (1 add) summed inside each layer's norm backward kernels
+    assert compile_fusion.counts["fused_grad_terms"] - before.get("fused_grad_terms", 0) == 3 * LAYERS
     assert rel_err(got.logits, expected.logits) < 1e-5
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-5, name
@@ -128,6 +131,90 @@ def test_left_alone_where_fusing_would_change_something(monkeypatch):
     monkeypatch.setenv(compile_fusion.ENV, "0")
     out, fused = _fused_when_compiled(lambda x, r: norm(x + r), a.float(), a.float().flip(0))
     assert fused == 0 and rel_err(out, norm(a.float() + a.float().flip(0))) < 1e-6
+
+
+class Projections(torch.nn.Module):
+    """norm(x) feeding `heads` linears of different widths (q, k, v): the norm's grad is their input grads' sum."""
+
+    def __init__(self, norm: torch.nn.Module, heads: int):
+        super().__init__()
+        self.norm = norm
+        n = norm.weight.shape[0]
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(n, 16 * (i + 1), bias=False) for i in range(heads))
+        with torch.no_grad():
+            for p in self.norm.parameters():
+                p.normal_()
+
+    def forward(self, x):
+        y = self.norm(x)
+        return torch.cat([head(y) for head in self.heads], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms", [True, False])
+def test_grad_sum_summed_inside_the_backward(backend, device, dtype, rms):
+    """q + k + v's grads reach the norm's backward as three terms (2 adds fused); every grad matches float64 as
+    closely as the unfused graph's (bf16: the kernel adds in fp32, the add kernel rounds each sum)."""
+    n = 80  # not a power of two
+    norm = (shardnorm.RMSNorm(n, eps=1e-5) if rms else shardnorm.LayerNorm(n)).to(device=device, dtype=dtype)
+    model = Projections(norm, heads=3).to(device=device, dtype=dtype)
+    x = torch.randn(3, 7, n, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(3, 7, 16 * 6, device=device, dtype=dtype)
+    params = [x] + list(model.parameters())
+
+    before = compile_fusion.counts["fused_grad_terms"]
+    got = torch.autograd.grad(torch.compile(model, fullgraph=True)(x), params, g)
+    assert compile_fusion.counts["fused_grad_terms"] - before == 2
+    unfused = torch.autograd.grad(model(x), params, g)
+    double = [p.detach().double().requires_grad_() for p in params]
+    y64 = reference_norm(double[0], double[1], None if rms else double[2], None, norm.eps, rms)
+    heads64 = double[2 if rms else 3:]
+    want = torch.autograd.grad(torch.cat([y64 @ w.T for w in heads64], dim=-1), double, g.double())
+    for i, (got_grad, unfused_grad, want_grad) in enumerate(zip(got, unfused, want)):
+        if dtype == torch.float32:
+            assert rel_err(got_grad, want_grad) < 1e-5, i
+        else:
+            assert rel_err(got_grad, want_grad) <= 1.05 * rel_err(unfused_grad, want_grad) + 2e-3, i
+
+
+@pytest.mark.parametrize("n", [80, 1000, 20000])  # 20000: the long-row kernels, which add the terms first
+@pytest.mark.parametrize("terms", [2, 3])
+@pytest.mark.parametrize("rms", [True, False])
+def test_norm_bwd_op_with_grad_terms(backend, device, n, terms, rms):
+    """`shardnorm::norm_bwd(dy, ..., dy2, dy3)` is the backward of the grad dy + dy2 (+ dy3), against float64,
+    with a weight (and LayerNorm's bias), bf16 rows and fp32 parameters."""
+    gen = torch.Generator().manual_seed(n + terms)
+    x = torch.randn(6, n, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(n, generator=gen).to(device)
+    b = None if rms else torch.randn(n, generator=gen).to(device)
+    dys = [torch.randn(6, n, generator=gen).to(device, torch.bfloat16) for _ in range(terms)]
+    _, _, mean, rstd = torch.ops.shardnorm.norm_fwd(x, w, b, None, 1e-5, rms, False)
+    dx, dw, db = torch.ops.shardnorm.norm_bwd(dys[0], None, x, w, mean, rstd, b is not None, rms, False, *dys[1:])
+
+    double = [t.double().requires_grad_() if t is not None else None for t in (x, w, b)]
+    y64 = reference_norm(*double, None, 1e-5, rms)
+    want = torch.autograd.grad(y64, [t for t in double if t is not None], sum(dy.double() for dy in dys))
+    assert rel_err(dx, want[0]) < 1e-2 and rel_err(dw, want[1]) < 1e-5
+    if b is not None:
+        assert rel_err(db, want[2]) < 1e-5
+    with pytest.raises(ValueError, match="dy2 has shape"):
+        torch.ops.shardnorm.norm_bwd(dys[0], None, x, w, mean, rstd, b is not None, rms, False, dys[1][:3])
+
+
+def test_grad_sum_left_alone_where_it_cannot_go_in(monkeypatch):
+    """Not fused, and still right: four terms (the op takes three) and SHARDNORM_COMPILE_FUSION=0."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    x = torch.randn(5, 40, requires_grad=True)
+    g = torch.randn(5, 16 * 10)
+    for heads, env in ((4, "1"), (3, "0")):
+        monkeypatch.setenv(compile_fusion.ENV, env)
+        model = Projections(shardnorm.RMSNorm(40), heads=heads)
+        before = compile_fusion.counts["fused_grad_terms"]
+        got = torch.autograd.grad(torch.compile(model)(x), [x, model.norm.weight], g[:, :8 * heads * (heads + 1)])
+        assert compile_fusion.counts["fused_grad_terms"] == before, (heads, env)
+        want = torch.autograd.grad(model(x), [x, model.norm.weight], g[:, :8 * heads * (heads + 1)])
+        assert all(rel_err(a, b) < 1e-5 for a, b in zip(got, want)), (heads, env)
+        torch._dynamo.reset()
 
 
 def test_hf_trainer_torch_compile(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ ALLOWED_UPWARD = {("shardnorm.functional", "shardnorm.distributed.dtensor")}
 TORCH_INTERNALS = {"_current_graph_task_id", "_execution_engine", "_get_fsdp_state", "_fsdp_param_groups",
                    "_fsdp_param_group", "unsharded_accumulated_grad", "_unsharded_param", "_param_fqn",
                    "_run_policy", "_module_classes", "_module_classes_to_ignore", "pre_grad_custom_pass",
-                   "custom_graph_pass"}
+                   "post_grad_custom_post_pass", "custom_graph_pass"}
 
 
 def _modules():

@@ -149,21 +149,27 @@ def test_fast_apply_is_function_apply():
         compat.fast_apply(type("WithSetup", (_Scale,), {"setup_context": staticmethod(lambda *a: None)}), 2)
 
 
-def test_inductor_pre_grad_pass_runs_after_an_existing_one():
-    """Inductor's pre-grad custom pass slot still exists and takes a CustomGraphPass; a user's pass set before
+@pytest.mark.parametrize("slot", ["pre_grad_custom_pass", "post_grad_custom_post_pass"])
+def test_inductor_graph_pass_runs_after_an_existing_one(slot):
+    """Inductor's custom pass slots still exist and take a CustomGraphPass; a user's pass set before
     shardnorm's is kept and runs first; installing twice installs once; no uuid on the user's pass, no caching."""
     import torch._inductor.config as inductor_config
 
-    assert hasattr(inductor_config, "pre_grad_custom_pass"), _gone("torch._inductor.config.pre_grad_custom_pass")
+    assert hasattr(inductor_config, slot), _gone(f"torch._inductor.config.{slot}")
     seen = []
-    saved = inductor_config.pre_grad_custom_pass
+    saved = getattr(inductor_config, slot)
     try:
-        inductor_config.pre_grad_custom_pass = lambda graph: seen.append("user")
+        setattr(inductor_config, slot, lambda graph: seen.append("user"))
         marker = lambda graph: seen.append("shardnorm")  # noqa: E731
-        assert compat.add_inductor_pre_grad_pass(marker, lambda: "v1")
-        assert compat.add_inductor_pre_grad_pass(marker, lambda: "v1")
-        inductor_config.pre_grad_custom_pass(torch.fx.Graph())
+        assert compat.add_inductor_graph_pass(slot, marker, lambda: "v1")
+        assert compat.add_inductor_graph_pass(slot, marker, lambda: "v1")
+        getattr(inductor_config, slot)(torch.fx.Graph())
         assert seen == ["user", "shardnorm"]
-        assert inductor_config.pre_grad_custom_pass.uuid() is None
+        assert getattr(inductor_config, slot).uuid() is None
     finally:
-        inductor_config.pre_grad_custom_pass = saved
+        setattr(inductor_config, slot, saved)
+
+
+def test_inductor_graph_pass_slot_is_checked():
+    with pytest.raises(ValueError, match="slot must be one of"):
+        compat.add_inductor_graph_pass("post_grad_custom_pre_pas", lambda graph: None, lambda: "v1")

@@ -15,8 +15,8 @@ FSDP2 (`fully_shard`) state, for "does FSDP hold no-sync grads" (`fsdp_checkpoin
   `_param_fqn`.
 FSDP1: `ModuleWrapPolicy._run_policy` / `_module_classes` (a wrap policy that looks at the root module
   before choosing its classes), `MixedPrecision._module_classes_to_ignore` (norms kept in fp32).
-Inductor: `torch._inductor.config.pre_grad_custom_pass` and `torch._inductor.custom_graph_pass.CustomGraphPass`
-  (`compile_fusion.py`'s graph pass).
+Inductor: `torch._inductor.config.pre_grad_custom_pass` / `post_grad_custom_post_pass` and
+  `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes).
 
 Framework-specific internals (DeepSpeed's AutoTP) stay in their adapter, `shardnorm/deepspeed/autotp.py`;
 Triton's launch internals in `shardnorm/kernels/launch.py`.
@@ -123,12 +123,19 @@ def fsdp1_mixed_precision(param_dtype, reduce_dtype, buffer_dtype, full_precisio
 
 # ---- Inductor --------------------------------------------------------------------------------------------
 
-def add_inductor_pre_grad_pass(graph_pass, uuid) -> bool:
-    """Run `graph_pass(graph)` on each graph Dynamo hands Inductor (torch-level ops, before autograd is
-    traced), after any pass already set there (Inductor holds one: an existing one is chained, not
-    replaced). `uuid()` names what the pass does now (Inductor's caches key on it). Idempotent. Only where
-    `torch._inductor.config` is already imported (importing it costs ~1.5 s; `torch.compile` with Inductor
-    imports it before it traces): returns whether the pass is installed."""
+INDUCTOR_PASS_SLOTS = ("pre_grad_custom_pass", "post_grad_custom_post_pass")
+
+
+def add_inductor_graph_pass(slot: str, graph_pass, uuid) -> bool:
+    """Run `graph_pass(graph)` on each graph Inductor compiles, at `slot`: "pre_grad_custom_pass" (the graph
+    Dynamo hands Inductor, torch-level ops, before autograd is traced) or "post_grad_custom_post_pass" (the
+    forward and backward graphs, aten ops, after Inductor's own passes), after any pass already set there
+    (Inductor holds one per slot: an existing one is chained, not replaced). `uuid()` names what the pass
+    does now (Inductor's caches key on it). Idempotent. Only where `torch._inductor.config` is already
+    imported (importing it costs ~1.5 s; `torch.compile` with Inductor imports it before it traces):
+    returns whether the pass is installed."""
+    if slot not in INDUCTOR_PASS_SLOTS:
+        raise ValueError(f"slot must be one of {INDUCTOR_PASS_SLOTS}, got {slot!r}")
     import sys
 
     config = sys.modules.get("torch._inductor.config")
@@ -136,7 +143,7 @@ def add_inductor_pre_grad_pass(graph_pass, uuid) -> bool:
         return False
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    current = config.pre_grad_custom_pass
+    current = getattr(config, slot)
     previous = tuple(current) if isinstance(current, (list, tuple)) else () if current is None else (current,)
     if any(getattr(p, "wraps", None) is graph_pass for p in previous):
         return True
@@ -153,5 +160,5 @@ def add_inductor_pre_grad_pass(graph_pass, uuid) -> bool:
 
     chained = ChainedPass()
     chained.wraps = graph_pass  # on the instance: a class attribute would come back as a bound method
-    config.pre_grad_custom_pass = chained
+    setattr(config, slot, chained)
     return True

@@ -1,15 +1,20 @@
-"""Under torch.compile, the residual add in front of a shardnorm norm runs inside the norm's kernel.
+"""Under torch.compile, the adds around a shardnorm norm run inside the norm's kernels.
 
-A pre-norm decoder layer computes `h = residual + out`, normalizes h, and keeps h as the next residual.
-Inductor fuses that add into its own norm kernels, but cannot look inside a custom op. This pass rewrites
-each such pair, in the graph Dynamo hands Inductor (before autograd is traced), into one
-`shardnorm::norm_fwd(out, ..., residual=residual)` that returns y and h. The forward then reads the two
-inputs once and writes h and y (no separate add kernel); the backward adds h's other grads inside the
-norm's backward kernel (`dz`). The forward is exact: the kernel rounds h to its dtype before it
-normalizes, as the add does; the backward adds in fp32 and rounds once.
+Inductor fuses neighbouring adds into its own norm kernels, but cannot look inside a custom op. Two graph
+passes give ours the same:
+
+- `fuse_residual_adds` (forward; the graph Dynamo hands Inductor, before autograd is traced). A pre-norm
+  decoder layer computes `h = residual + out`, normalizes h and keeps h as the next residual: each such
+  pair becomes one `shardnorm::norm_fwd(out, ..., residual=residual)` returning y and h. The forward reads
+  the two inputs once and writes h and y; the backward adds h's other grads inside the norm's backward
+  kernel (`dz`). Exact: the kernel rounds h to its dtype before it normalizes, as the add does.
+- `fuse_grad_terms` (backward; aten graphs after Inductor's own passes). The norm's output feeds several
+  matmuls (q, k, v; gate, up), so its grad is an add of their input grads: `norm_bwd(dy1 + dy2 + dy3)`
+  becomes `norm_bwd(dy1, ..., dy2=dy2, dy3=dy3)`, summed in fp32 inside the kernel (no add kernel that
+  writes the sum and reads it back).
 
 Installed by the op's first trace under Inductor (`ops._norm_fwd_fake`); `SHARDNORM_COMPILE_FUSION=0`
-turns it off. `counts` holds what it did (graphs seen, adds fused) for logs and tests.
+turns both off. `counts` holds what they did (graphs seen, adds fused, grad terms fused) for logs and tests.
 """
 
 import collections
@@ -34,7 +39,8 @@ def install() -> bool:
     """Hand the pass to Inductor, unless it holds it already (checked each time: a `config.patch` or the user
     may have replaced it since). Cheap: called from the op's fake impl, i.e. while tracing only. False while
     Inductor is not loaded."""
-    return _torch_compat.add_inductor_pre_grad_pass(fuse_residual_adds, _uuid)
+    return (_torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", fuse_residual_adds, _uuid)
+            and _torch_compat.add_inductor_graph_pass("post_grad_custom_post_pass", fuse_grad_terms, _uuid))
 
 
 def _enabled() -> bool:
@@ -147,3 +153,85 @@ def _between(first: fx.Node, last: fx.Node):
         yield node
         node = node.next
 
+
+
+# ---- the backward: the norm's grad is a sum ---------------------------------------------------------------
+
+_aten = torch.ops.aten
+_ATEN_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
+MAX_GRAD_TERMS = 3  # dy, dy2, dy3 of `shardnorm::norm_bwd`
+
+
+def fuse_grad_terms(graph: fx.Graph) -> int:
+    """Rewrite each `norm_bwd(view(t1 + t2 [+ t3]), ...)` (every add and view used only there) into
+    `norm_bwd(view(t1), ..., dy2=view(t2)[, dy3=view(t3)])`. Returns the number of adds removed."""
+    if not _enabled():
+        return 0
+    norm_bwd = torch.ops.shardnorm.norm_bwd.default
+    removed = 0
+    for norm in [n for n in graph.nodes if n.op == "call_function" and n.target is norm_bwd]:
+        dy = norm.args[0]
+        if len(norm.args) != 9 or norm.kwargs or not isinstance(dy, fx.Node):  # already given terms
+            continue
+        terms = _sum_terms(_strip_views(dy))
+        if not 2 <= len(terms) <= MAX_GRAD_TERMS or not _same_rows(terms, dy):
+            continue
+        dy_value = dy.meta["val"]
+        views = []
+        with graph.inserting_before(norm):
+            for term in terms:
+                view = graph.call_function(_aten.view.default, (term, list(dy_value.shape)))
+                view.meta["val"] = term.meta["val"].view(dy_value.shape)
+                views.append(view)
+        views += [None] * (MAX_GRAD_TERMS - len(views))
+        old_chain = _chain(dy, stop=set(terms))
+        norm.args = (views[0], *norm.args[1:], *views[1:])
+        if "eager_input_vals" in norm.meta:  # the inputs' layouts Inductor holds the op to: now with the terms
+            (_, *rest), kwargs = norm.meta["eager_input_vals"]
+            vals = [None if v is None else v.meta["val"] for v in views]
+            norm.meta["eager_input_vals"] = ((vals[0], *rest[:8], *vals[1:]), kwargs)
+        for node in old_chain:  # users before what they use
+            if not node.users:
+                graph.erase_node(node)
+        removed += len(terms) - 1
+    counts["fused_grad_terms"] += removed
+    if removed:
+        _log.info("shardnorm: %d grad add(s) summed inside norm backward kernels", removed)
+    return removed
+
+
+def _strip_views(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target in _ATEN_VIEWS and len(node.users) == 1:
+        node = node.args[0]
+    return node
+
+
+def _sum_terms(node: fx.Node) -> list:
+    """The leaves of the add tree `node` is (through adds and views used once), left to right; [node] if it
+    is no add."""
+    if node.op == "call_function" and node.target is _aten.add.Tensor and len(node.users) == 1 and \
+            len(node.args) == 2 and not node.kwargs and all(isinstance(a, fx.Node) for a in node.args):
+        return [leaf for a in node.args for leaf in _sum_terms(_strip_views(a))]
+    return [node]
+
+
+def _same_rows(terms, dy: fx.Node) -> bool:
+    """Every term a contiguous tensor of dy's dtype, device, size and row length: a view of it is dy's term."""
+    want = dy.meta.get("val")
+    values = [t.meta.get("val") for t in terms]
+    if not isinstance(want, torch.Tensor) or not want.is_contiguous() or \
+            any(not isinstance(v, torch.Tensor) for v in values):
+        return False
+    return all(v.dtype == want.dtype and v.device == want.device and v.numel() == want.numel() and v.dim() > 0
+               and v.shape[-1] == want.shape[-1] and v.is_contiguous() for v in values)
+
+
+def _chain(dy: fx.Node, stop: set) -> list:
+    """dy and the views and adds below it down to the terms, users before what they use."""
+    out, stack = [], [dy]
+    while stack:
+        node = stack.pop()
+        if node not in stop and node not in out:
+            out.append(node)
+            stack.extend(a for a in node.args if isinstance(a, fx.Node))
+    return out

@@ -2,8 +2,10 @@
 them without graph breaks.
 
 `shardnorm::norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
-`shardnorm::norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)`
-work on 2-D [M, N] tensors whose last dim is contiguous. Absent outputs (z without a residual, mean
+`shardnorm::norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy2=None, dy3=None)
+-> (dx, dw, db)` work on 2-D [M, N] tensors whose last dim is contiguous. The norm's grad is dy (+ dy2
+(+ dy3)): under torch.compile, `compile_fusion` hands the backward the terms of a grad sum (q, k and v's
+input grads) instead of an add kernel's result. Absent outputs (z without a residual, mean
 for RMSNorm, dw/db without weight/bias) are None from the backends and empty tensors from the ops.
 dw/db come in the weight's dtype: the kernel's fp32 partial sums, reduced in fp32 in a fixed order,
 rounded once (so no cast kernel follows; the distributed reducer passes fp32 weights to get fp32
@@ -87,20 +89,27 @@ def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
     return x.new_empty((M, N)), z, stats(0 if rms else M), stats(M)
 
 
-def _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
+def _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy_terms=()):
     dy = dy.contiguous() if dy.stride()[-1] != 1 else dy
     dz = dz.contiguous() if dz is not None and dz.stride()[-1] != 1 else dz
-    return _backend(src).norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+    if dy_terms and any(t.stride() != dy.stride() for t in dy_terms):  # the kernel reads all with one stride
+        dy, dy_terms = dy.contiguous(), tuple(t.contiguous() for t in dy_terms)
+    return _backend(src).norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy_terms)
 
 
 @torch.library.custom_op("shardnorm::norm_bwd", mutates_args=())
 def norm_bwd(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
-             rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _present(_norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
+             rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool, dy2: Optional[Tensor] = None,
+             dy3: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    dy_terms = tuple(t for t in (dy2, dy3) if t is not None)
+    for name, term in zip(("dy2", "dy3"), (dy2, dy3)):
+        if term is not None and term.shape != dy.shape:
+            raise ValueError(f"shardnorm::norm_bwd: {name} has shape {tuple(term.shape)}, dy {tuple(dy.shape)}")
+    return _present(_norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy_terms), rstd)
 
 
 @norm_bwd.register_fake
-def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
+def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy2=None, dy3=None):
     N = src.shape[1]
     dtype = weight.dtype if weight is not None else torch.float32
     grad = lambda present: src.new_empty(N if present else 0, dtype=dtype)  # noqa: E731

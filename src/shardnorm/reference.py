@@ -38,9 +38,11 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     return y.to(x.dtype), z, mean, rstd
 
 
-def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
+def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool, dy_terms: tuple = ()):
     xhat = _xhat(src, mean, rstd, rms)
     dyf = dy.float()
+    for term in dy_terms:
+        dyf = dyf + term.float()
     wdy = dyf * _scale(weight, zero_centered) if weight is not None else dyf
     n = src.shape[-1]
     dx = wdy - xhat * ((xhat * wdy).sum(-1, keepdim=True) / n)

@@ -23,20 +23,22 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from . import config
-from .bwd_tiles import _accumulate, _column_program, _program_state, _row_tile, _store_dx, _store_partials
+from .bwd_tiles import (_accumulate, _column_program, _load_tile, _program_state, _row_tile, _store_dx, _store_partials,
+                        _tile_values)
 from .launch import Launcher
 from .norm_bwd_coop import RING, coop_bwd_kernel, workspace
 
 
 @triton.jit(do_not_specialize=["M"])
-def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
+def norm_bwd_kernel(SRC, DY, DY2, DY3, DZ, W, MEAN, RSTD, DX, PARTIAL,
                     stride_src, stride_dy, stride_dz, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                    HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr, DY_TERMS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_STAGES: tl.constexpr,
                     HOIST_PARAMS: tl.constexpr):
     """One pass: whole rows in registers (the tile `cols` and, with TAIL_N, the narrower tile after
-    it), dgamma/dbeta accumulated across row blocks."""
+    it), dgamma/dbeta accumulated across row blocks. dy is the sum of DY_TERMS tensors (DY, DY2, DY3,
+    one stride), added in fp32 here rather than by an add kernel that writes the sum and reads it back."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -47,15 +49,15 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
         tail_w, tail_dw, tail_db = _program_state(W, tail_cols, tail_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS,
                                                   BLOCK_M, TAIL_N)
     for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
-        rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
-            SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-            IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
+        rows64, row_mask, mask, xhat, dy, wdy, rstd = _summed_row_tile(
+            SRC, DY, DY2, DY3, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+            IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, DY_TERMS)
         sum_xwdy = tl.sum(xhat * wdy, axis=1)
         sum_wdy = tl.sum(wdy, axis=1)
         if TAIL_N > 0:
-            _, _, tail_tile_mask, tail_xhat, tail_dy, tail_wdy, _ = _row_tile(
-                SRC, DY, W, tail_w, MEAN, RSTD, block, tail_cols, tail_mask, M, stride_src, stride_dy, BLOCK_M,
-                IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
+            _, _, tail_tile_mask, tail_xhat, tail_dy, tail_wdy, _ = _summed_row_tile(
+                SRC, DY, DY2, DY3, W, tail_w, MEAN, RSTD, block, tail_cols, tail_mask, M, stride_src, stride_dy,
+                BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, DY_TERMS)
             sum_xwdy += tl.sum(tail_xhat * tail_wdy, axis=1)
             sum_wdy += tl.sum(tail_wdy, axis=1)
         c1 = sum_xwdy / N
@@ -69,6 +71,23 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL,
     _store_partials(dw_acc, db_acc, PARTIAL, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
     if TAIL_N > 0:
         _store_partials(tail_dw, tail_db, PARTIAL, pid, tail_cols, tail_mask, N, HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def _summed_row_tile(SRC, DY, DY2, DY3, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy,
+                     BLOCK_M: tl.constexpr, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                     ZERO_CENTERED: tl.constexpr, PARAMS_LOADED: tl.constexpr, DY_TERMS: tl.constexpr):
+    """`_row_tile` whose dy is DY + DY2 (+ DY3) for DY_TERMS 2 (3), in fp32, in that order."""
+    rows64, row_mask, mask, x, dy, mean, rstd = _load_tile(SRC, DY, MEAN, RSTD, block, cols, col_mask, M, stride_src,
+                                                           stride_dy, BLOCK_M, IS_RMS)
+    if DY_TERMS > 1:
+        at = rows64[:, None] * stride_dy + cols[None, :]
+        dy = dy.to(tl.float32) + tl.load(DY2 + at, mask=mask, other=0.0).to(tl.float32)
+        if DY_TERMS > 2:
+            dy += tl.load(DY3 + at, mask=mask, other=0.0).to(tl.float32)
+    xhat, dy, wdy = _tile_values(x, dy, mean, rstd, mask, W, w, cols, col_mask, IS_RMS, HAS_WEIGHT, ZERO_CENTERED,
+                                 PARAMS_LOADED)
+    return rows64, row_mask, mask, xhat, dy, wdy, rstd
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -135,21 +154,22 @@ def column_sum_kernel(PARTIAL, OUT_W, OUT_B, P, N, K, BLOCK_P: tl.constexpr, BLO
     tl.store(out, tl.sum(acc, axis=0).to(OUT_W.dtype.element_ty), mask=col_mask)
 
 
-def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
+def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool, dy_terms: tuple = ()):
     """Launch the backward on 2-D tensors. Returns dx (src's dtype) and dweight, dbias in the
-    weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias."""
+    weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias.
+    `dy_terms`: up to two more [M, N] tensors with dy's strides; the grad is their sum with dy."""
     device = src.device
     n = src.shape[1]
     coop = config.coop_mode(device) if n >= config.MIN_LONG_N_BWD else ""  # short rows: one pass either way
     plan = _plan(n, weight.dtype if weight is not None else None, has_bias, dz is not None, rms, zero_centered,
-                 device, config.use_clusters(device, rms), coop)
-    return plan(dy, dz, src, weight, mean, rstd)
+                 device, config.use_clusters(device, rms), coop, 1 + len(dy_terms))
+    return plan(dy, dz, src, weight, mean, rstd, dy_terms)
 
 
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_centered: bool, device,
-          clusters: bool, coop: str = "") -> "_BwdPlan":
-    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop)
+          clusters: bool, coop: str = "", dy_terms: int = 1) -> "_BwdPlan":
+    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop, dy_terms)
 
 
 class _BwdPlan:
@@ -157,7 +177,7 @@ class _BwdPlan:
     chosen once, so a call does only what depends on the tensors (M, allocations, pointers). At small
     sizes the host time of a call is most of the backward's time (benchmarks/NOTES.md, v9)."""
 
-    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop):
+    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop, dy_terms):
         has_weight = weight_dtype is not None
         self.n = n
         self.has_bias, self.row_sum_kinds = has_bias, 1 if rms else 2  # LayerNorm: two sums per row
@@ -175,7 +195,8 @@ class _BwdPlan:
             self.slices = config.cdiv(n, cfg.slice_n)
             self.coop = Launcher(coop_bwd_kernel, cfg.num_warps, cooperative=cfg.cooperative, HAS_BIAS=has_bias,
                                  HAS_DZ=has_dz, BLOCK_M=cfg.block_m, SLICE_N=cfg.slice_n,
-                                 SLICES=config.next_pow2(self.slices), LOOKAHEAD=cfg.lookahead, RING=RING, **flags)
+                                 SLICES=config.next_pow2(self.slices), LOOKAHEAD=cfg.lookahead, RING=RING,
+                                 REREAD=cfg.reread, **flags)
         elif isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx
             self.sum_tiles = config.cdiv(n, sums.block_n)
@@ -186,10 +207,13 @@ class _BwdPlan:
                                BLOCK_N=dx.block_n, SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
         else:
             cfg = self.cfg
-            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, derived=(6, 7), HAS_BIAS=has_bias,
-                                  HAS_DZ=has_dz, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
-                                  NUM_STAGES=cfg.num_stages, HOIST_PARAMS=cfg.hoist_params, **flags)
+            unused_dy = (2, 3)[dy_terms - 1:]  # absent terms are dy again: keyed by dy already
+            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, derived=(*unused_dy, 8, 9),
+                                  HAS_BIAS=has_bias, HAS_DZ=has_dz, DY_TERMS=dy_terms, BLOCK_M=cfg.block_m,
+                                  BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
+                                  HOIST_PARAMS=cfg.hoist_params, **flags)
         self.split = isinstance(self.cfg, config.SplitBwdConfig)
+        self.one_pass = not self.split and not isinstance(self.cfg, config.CoopBwdConfig)
         self.grids = {}  # M -> (partial rows, dx tiles), host time per call (bounded: MAX_CACHED_M)
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
@@ -203,8 +227,10 @@ class _BwdPlan:
         dx_tiles = config.cdiv(M, self.cfg.dx.block_m) * config.cdiv(N, self.cfg.dx.block_n) if self.split else 0
         return config.partial_rows(self.cfg, M, N, self.sms), dx_tiles
 
-    def __call__(self, dy, dz, src, weight, mean, rstd):
+    def __call__(self, dy, dz, src, weight, mean, rstd, dy_terms=()):
         M, N = src.shape
+        if dy_terms and not self.one_pass:  # long rows: the split and cooperative kernels read one dy (fp32)
+            dy = sum((t.float() for t in dy_terms), dy.float())
         device = src.device
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
         num_grads = self.num_grads
@@ -214,7 +240,7 @@ class _BwdPlan:
         if isinstance(self.cfg, config.CoopBwdConfig):
             cfg = self.cfg
             stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-            exchange, counters = workspace(device, stream, self.sms * cfg.programs_per_sm, cfg.block_m)
+            exchange, counters = workspace(device, stream, self.sms * cfg.programs_per_sm, cfg.block_m * cfg.reread)
             self.coop((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange, counters,
                       src.stride()[0], dy.stride()[0], dz_stride, M, N)
         elif self.split:
@@ -226,8 +252,10 @@ class _BwdPlan:
                 self.dx((dx_tiles,), src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride()[0], dy.stride()[0],
                         dz_stride, M, N, self.sum_tiles)
         elif M or num_grads:
-            self.fused((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride()[0], dy.stride()[0],
-                       dz_stride, M, N)
+            dy2 = dy_terms[0] if dy_terms else dy
+            dy3 = dy_terms[1] if len(dy_terms) > 1 else dy
+            self.fused((partial_rows,), src, dy, dy2, dy3, dz, weight, mean, rstd, dx, partial, src.stride()[0],
+                       dy.stride()[0], dz_stride, M, N)
         if not num_grads:
             return dx, None, None
         # dgamma, dbeta: separate tensors (custom-op outputs may not alias); with no weight the
