@@ -31,35 +31,24 @@ REF_ROWS = 256  # rows of dx compared in float64 at each of the start, middle an
 
 
 def candidates() -> dict:
-    """name -> backward config: the split default, the measured cooperative defaults, then REREAD
-    ones (an exchange per R row blocks, each block read again from L2 in a second pass); register use
-    from a local sm_90 compile (Triton 3.9's ptxas via cuobjdump --dump-resource-usage, strides and N
-    specialized as multiples of 16): 2 per SM only where two fit."""
+    """name -> backward config: the split default, then cooperative ones (slice columns x rows per
+    exchange, warps, programs per SM, lookahead); register use from a local sm_90 compile (Triton 3.9's
+    ptxas -v): 2 per SM only where two fit."""
     from shardnorm.kernels import config
     coop = config.CoopBwdConfig
-
-    def reread(slice_n, warps, r, per_sm=1):
-        return coop(slice_n, 1, warps, programs_per_sm=per_sm, lookahead=0, reread=r)
-
-    # L2 held between a block's two reads, all programs together: programs x R x SLICE_N x 4 bytes (bf16 x
-    # and dy), 132 SMs: 4.3 MB per R at 8192 x 1 per SM (and 4096 x 2 per SM), 2.2 MB per R at 4096 x 1.
     return {
         "split": config.BWD_SPLIT,
-        # run 2 (H100, results/h100-2026-11-23-s9/longrow_run2.md): the defaults, one exchange per row
-        "coop_8192x1_w16": coop(8192, 1, 16),  # COOP_BWD LayerNorm: 62-70%
-        "coop_8192x1_w32": coop(8192, 1, 32),  # COOP_BWD RMSNorm: 73-77%
-        "coop_8192_w16_r2": reread(8192, 16, 2),  # 128 regs, no spill; 8.7 MB
-        "coop_8192_w16_r4": reread(8192, 16, 4),  # 17 MB
-        "coop_8192_w32_r4": reread(8192, 32, 4),  # 57-64 regs (LN fp32 weights spill 24 bytes); 17 MB
-        "coop_8192_w16_r8": reread(8192, 16, 8),  # 35 MB: past the L2 budget, where the re-reads start missing
-        "coop_4096_w16_r4": reread(4096, 16, 4),  # 60-102 regs; 8.7 MB
-        "coop_4096_w16_r8": reread(4096, 16, 8),  # 17 MB
-        "coop_4096_w8_r2_2sm": reread(4096, 8, 2, 2),  # 115-128 regs: two fit (not with fp32 x and dz); 8.7 MB
-        "coop_4096_w8_r4_2sm": reread(4096, 8, 4, 2),  # 17 MB
+        "coop_4096x1_w16": coop(4096, 1, 16),  # COOP_BWD_DEFAULT
+        # run 1 (H100, results/h100-2026-11-23-s9): wider slices won (fewer exchanges per byte); 2048-4096
+        # slices, 2 per SM and the lookahead modes stayed at 36-49%
+        "coop_8192x1_w32": coop(8192, 1, 32),  # 64 regs, LN spills 104 bytes
+        "coop_8192x1_w16": coop(8192, 1, 16),  # 128 regs available: no spill expected
+        "coop_8192x1_w16_publish_ahead": coop(8192, 1, 16, lookahead=1),
+        "coop_8192x1_w8": coop(8192, 1, 8),
+        "coop_16384x1_w32": coop(16384, 1, 32),
+        "coop_16384x1_w16": coop(16384, 1, 16),
+        "coop_8192x2_w32": coop(8192, 2, 32),
     }
-
-
-QUICK = ("split", "coop_8192x1_w16", "coop_8192_w16_r4", "coop_4096_w8_r4_2sm")
 
 
 def using(cfg):
@@ -240,7 +229,7 @@ def markdown(rows, copy_gbs, gpu) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
-    parser.add_argument("--quick", action="store_true", help=f"bf16 weights, candidates {', '.join(QUICK)}")
+    parser.add_argument("--quick", action="store_true", help="bf16 weights, 3 candidates")
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--child")
     parser.add_argument("--names")
@@ -252,7 +241,7 @@ def main():
     names = list(candidates())
     shapes = SHAPES
     if args.quick:
-        names, shapes = list(QUICK), [s for s in SHAPES if s[3] == "bfloat16"]
+        names, shapes = names[:2] + names[4:5], [s for s in SHAPES if s[3] == "bfloat16"]
     start = time.monotonic()
     jobs = sorted({(norm, n, wd, name) for norm, _, n, wd in shapes for name in names})
     with multiprocessing.get_context("spawn").Pool(min(12, len(jobs))) as pool:

@@ -28,10 +28,10 @@ step() {  # name seconds command...: run, log, report the exit code
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$OUT/gpu.txt" 2>&1
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
-step tests_coop 160 $PY -m pytest -q -p no:cacheprovider tests/test_long_rows_coop.py -k "not refused" -rs
+step tests_coop 120 $PY -m pytest -q -p no:cacheprovider tests/test_long_rows_coop.py -k "not refused" -rs
 step tests_refused 45 $PY -m pytest -q -p no:cacheprovider tests/test_long_rows_coop.py -k refused
 # (test_backward_is_bitwise_deterministic sizes its grid for the interpreter's 8 SMs: one coop row group)
 step tests_kernels_forced_coop 100 env SHARDNORM_LONG_BWD=coop $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     -k "(long or 20000 or 262144 or 2_pow_31 or 40000) and not deterministic" -rs
-step bench 260 $PY benchmarks/gpu_longrow.py --out "$OUT" --timeout 60
+step bench 300 $PY benchmarks/gpu_longrow.py --out "$OUT" --timeout 60
 cat "$OUT/steps.txt"

@@ -2,8 +2,7 @@
 
 Its programs wait for each other, so the interpreter (one program after another) can only run
 single-slice grids (C = 1: each program waits on itself): those check the exchange, the row-group
-walk, the lookahead, REREAD's super-steps and the counter reset on CPU. Several slices need a GPU,
-except for the slot layout and slice order, which a run with primed counters checks on CPU too.
+walk, the lookahead and the counter reset on CPU. Several slices need a GPU.
 """
 
 import sys
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import backend_device, rel_err
+from conftest import backend_device
 from shardnorm.kernels import config, norm_fwd
 from test_kernels import run_case
 
@@ -25,8 +24,7 @@ GPU_CONFIGS = {"4096x1": C(4096, 1, 16), "4096x1_wait_first": C(4096, 1, 16, loo
                "4096x1_publish_ahead": C(4096, 1, 16, lookahead=1),
                "4096x1_plain_launch": C(4096, 1, 16, cooperative=False),
                "2048x1_2_per_sm": C(2048, 1, 8, programs_per_sm=2), "2048x2": C(2048, 2, 8), "8192x1": C(8192, 1, 32),
-               "8192x1_w16": C(8192, 1, 16), "8192x1_reread4": C(8192, 1, 16, lookahead=0, reread=4),
-               "4096x1_reread3_2_per_sm": C(4096, 1, 8, programs_per_sm=2, lookahead=0, reread=3)}
+               "8192x1_w16": C(8192, 1, 16)}
 
 
 @pytest.fixture
@@ -82,107 +80,6 @@ def test_single_slice(monkeypatch, force, workspaces, rms, lookahead, rows, bloc
     run_case(_device(), 200, rms, torch.bfloat16, rows=rows, weight_dtype=torch.bfloat16,
              residual_dtype=torch.bfloat16, zero_centered=True)
     assert _counters_zero(workspaces)
-
-
-# REREAD cases: weight and bias, weight only, neither, and a residual's dz (bf16, zero-centered gamma).
-REREAD_CASES = {"affine": dict(dtype=torch.float32),
-                "weight_only": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16, bias=False),
-                "affine_off": dict(dtype=torch.float32, affine=False),
-                "residual_dz": dict(dtype=torch.bfloat16, residual_dtype=torch.bfloat16, zero_centered=True)}
-
-
-@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("reread", [2, 3])
-@pytest.mark.parametrize("rows,block_m", [(7, 2), (101, 1), (53, 2)])
-@pytest.mark.parametrize("case", REREAD_CASES)
-def test_reread_single_slice(monkeypatch, force, workspaces, rms, reread, rows, block_m, case):
-    """REREAD (an exchange per REREAD row blocks, each block read twice) on one slice against float64:
-    with the interpreter's 8 groups, 101 rows are 13 or 12 blocks per group (more super-steps than
-    RING slots, a partial last one), 53 rows of 2 are 4 or 3 blocks, 7 rows of 2 fewer blocks than
-    one super-step; the workspace holds BLOCK_M * REREAD rows per slot; counters back to zero."""
-    if CUDA and (reread, rows) != (3, 53):  # each case compiles its own kernels; several slices: test_candidates
-        pytest.skip("on the GPU one row count per case")
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
-    force(C(slice_n=256, block_m=block_m, num_warps=4, lookahead=0, reread=reread))
-    assert _plan_kind(200, rms) is C
-    run_case(_device(), 200, rms, rows=rows, **REREAD_CASES[case])
-    programs = config.sm_count(_device())
-    assert [exchange.numel() for exchange, _ in workspaces] == [programs * bwd_module.RING * 2 * block_m * reread]
-    assert _counters_zero(workspaces)
-
-
-def _bwd_args(m, n, rms, device, residual=True):
-    """norm_bwd's arguments for bf16 rows, fp32 weight (and bias), and a dz."""
-    x = (torch.randn(m, n) * 2 + 0.5).to(device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, device=device)
-    b = None if rms else torch.randn(n, device=device)
-    _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-5, rms, False)
-    dz = torch.randn_like(x) if residual else None
-    return torch.randn_like(x), dz, x, w, mean, rstd, b is not None, rms, False
-
-
-@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("reread", [2, 3])
-def test_reread_bitwise(force, rms, reread):
-    """REREAD is bitwise repeatable; one slice under the interpreter (the GPU's reduction trees are
-    the compiler's) it is bitwise what REREAD = 1 gives: the same rows, sums and sum order."""
-    device = _device()
-    args = _bwd_args(101, 200 if device.type == "cpu" else 20000, rms, device)
-    force(C(slice_n=256 if device.type == "cpu" else 8192, block_m=1, num_warps=4 if device.type == "cpu" else 16,
-            lookahead=0, reread=reread))
-    first, second = bwd_module.norm_bwd(*args), bwd_module.norm_bwd(*args)
-    assert all(a is None or torch.equal(a, c) for a, c in zip(first, second))
-    if device.type == "cpu":
-        force(C(slice_n=256, block_m=1, num_warps=4, lookahead=0))
-        assert all(a is None or torch.equal(a, c) for a, c in zip(first, bwd_module.norm_bwd(*args)))
-
-
-@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("reread,block_m", [(1, 2), (2, 1), (3, 2)])
-def test_several_slices_primed(rms, reread, block_m):
-    """Several slices under the interpreter (slot layout, slice order, the partial last slice): counters
-    primed so that no wait blocks, the kernel runs twice and the second run reads the sums the first
-    wrote (pass 1 does not depend on the exchange). Valid while no group has more than RING exchanges."""
-    if CUDA:
-        pytest.skip("the GPU runs several slices for real (test_candidates)")
-    from shardnorm.kernels.norm_bwd_coop import RING, coop_bwd_kernel
-    slices, groups, n, slice_n = 3, 2, 333, 128
-    m = RING * reread * groups * block_m - 3  # a partial last block and super-step
-    x, dy, dz, w = torch.randn(m, n), torch.randn(m, n), torch.randn(m, n), torch.randn(n)
-    b = None if rms else torch.randn(n)
-    _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-5, rms, False)
-    exchange = torch.full((groups * slices * RING * 2 * block_m * reread,), float("nan"))
-    counters = torch.zeros(groups, RING + 1, dtype=torch.int32)
-    for _ in range(2):
-        counters[:, :RING] = 1 << 20
-        dx, partial = torch.empty_like(x), torch.empty(groups, (1 + (b is not None)) * n)
-        coop_bwd_kernel[(slices, groups)](
-            x, dy, dz, w, mean, rstd, dx, partial, exchange, counters, n, n, n, m, n, IS_RMS=rms, HAS_WEIGHT=True,
-            HAS_BIAS=b is not None, HAS_DZ=True, ZERO_CENTERED=False, BLOCK_M=block_m, SLICE_N=slice_n, SLICES=4,
-            LOOKAHEAD=0, RING=RING, REREAD=reread)
-        assert int(counters.abs().sum()) == 0
-    xd = x.double() if rms else x.double() - x.double().mean(-1, keepdim=True)
-    xhat = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-5)
-    wdy = dy.double() * w.double()
-    ref = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True) - (0 if rms else wdy.mean(-1, keepdim=True)))
-    assert rel_err(dx, ref * (xd.square().mean(-1, keepdim=True) + 1e-5).rsqrt() + dz.double()) < 1e-5
-    sums = partial.sum(0).double()
-    assert rel_err(sums[:n], (dy.double() * xhat).sum(0)) < 1e-5
-    if b is not None:
-        assert rel_err(sums[n:], dy.double().sum(0)) < 1e-5
-
-
-def test_reread_config_checks():
-    """REREAD has no lookahead modes (it re-reads instead of prefetching), and counts blocks."""
-    assert C(8192, 1, 16, lookahead=0, reread=4).reread == 4
-    with pytest.raises(ValueError, match="lookahead=0"):
-        C(8192, 1, 16, reread=4)  # lookahead defaults to 2
-    with pytest.raises(ValueError, match="lookahead=0"):
-        C(8192, 1, 16, lookahead=1, reread=2)
-    with pytest.raises(ValueError, match="reread"):
-        C(8192, 1, 16, lookahead=0, reread=0)
-    with pytest.raises(ValueError, match="lookahead"):
-        C(8192, 1, 16, lookahead=3)
 
 
 def test_interpreter_never_runs_several_slices(monkeypatch, force):

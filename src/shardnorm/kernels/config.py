@@ -103,25 +103,13 @@ class CoopBwdConfig:
     lookahead: 0 each block waits for its own sums, 1 the next block's sums are published before
     this one's wait, 2 the next block's loads are in flight during the wait (norm_bwd_coop.py); cooperative: launch
     through the driver's cooperative launch, which refuses a grid that cannot be resident at once
-    (instead of a hang); reread: row blocks per exchange, each read twice (the second time from L2)
-    instead of held in registers, lookahead 0 only."""
+    (instead of a hang)."""
     slice_n: int
     block_m: int
     num_warps: int
     programs_per_sm: int = 1
     lookahead: int = 2
     cooperative: bool = True
-    reread: int = 1
-
-    def __post_init__(self):
-        if self.lookahead not in (0, 1, 2):
-            raise ValueError(f"CoopBwdConfig: lookahead is 0, 1 or 2, got {self.lookahead}")
-        if self.reread < 1:
-            raise ValueError(f"CoopBwdConfig: reread is a count of row blocks per exchange (>= 1), got {self.reread}")
-        if self.reread > 1 and self.lookahead:
-            raise ValueError(f"CoopBwdConfig: reread={self.reread} re-reads its row blocks from L2 after one exchange "
-                             f"per {self.reread} blocks; it has no lookahead mode: pass lookahead=0 (got "
-                             f"lookahead={self.lookahead})")
 
 
 BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig]
@@ -265,8 +253,7 @@ def per_m(cache: dict, m: int, make):
 
 def coop_groups(cfg: CoopBwdConfig, m: int, n: int, sm_count: int) -> int:
     """Row groups G of the cooperative backward: as many as keep all G x C programs resident
-    (`programs_per_sm` per SM), at most one per row block, at least one. `reread` changes neither
-    (one block in registers at a time; its workspace slots grow instead)."""
+    (`programs_per_sm` per SM), at most one per row block, at least one."""
     return max(1, min(sm_count * cfg.programs_per_sm // cdiv(n, cfg.slice_n), cdiv(m, cfg.block_m)))
 
 

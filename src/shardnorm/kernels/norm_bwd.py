@@ -195,8 +195,7 @@ class _BwdPlan:
             self.slices = config.cdiv(n, cfg.slice_n)
             self.coop = Launcher(coop_bwd_kernel, cfg.num_warps, cooperative=cfg.cooperative, HAS_BIAS=has_bias,
                                  HAS_DZ=has_dz, BLOCK_M=cfg.block_m, SLICE_N=cfg.slice_n,
-                                 SLICES=config.next_pow2(self.slices), LOOKAHEAD=cfg.lookahead, RING=RING,
-                                 REREAD=cfg.reread, **flags)
+                                 SLICES=config.next_pow2(self.slices), LOOKAHEAD=cfg.lookahead, RING=RING, **flags)
         elif isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx
             self.sum_tiles = config.cdiv(n, sums.block_n)
@@ -240,7 +239,7 @@ class _BwdPlan:
         if isinstance(self.cfg, config.CoopBwdConfig):
             cfg = self.cfg
             stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-            exchange, counters = workspace(device, stream, self.sms * cfg.programs_per_sm, cfg.block_m * cfg.reread)
+            exchange, counters = workspace(device, stream, self.sms * cfg.programs_per_sm, cfg.block_m)
             self.coop((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange, counters,
                       src.stride()[0], dy.stride()[0], dz_stride, M, N)
         elif self.split:

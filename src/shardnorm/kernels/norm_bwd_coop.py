@@ -24,16 +24,6 @@ publications of its blocks (i // RING + 1 generations of C),
 so a fast slice's later blocks can never stand in for a slow one's. The last slice of a group to
 finish zeroes the group's counters, so every launch (a CUDA graph replay too) starts from zeros and
 no host-side epoch is needed; the workspace is one zeroed buffer per device and stream.
-
-REREAD (R > 1, LOOKAHEAD 0 only): one exchange per R row blocks instead of per block, without
-holding R blocks in registers (two rows at 8192 columns spill). Per super-step (the group's blocks
-s*R + r, r < R, in the same grid-stride order as R = 1), pass 1 loads each block, writes its partial
-row sums to row r of the slot (a slot holds R*BLOCK_M rows) and drops it; one release, one wait;
-pass 2 loads each block again, now from L2 (this program read it a few microseconds earlier; x and dy
-are loaded evict_last in pass 1 and evict_first in pass 2), writes dx and accumulates dgamma/dbeta.
-Rows, sums and their order are those of R = 1, so the results are too. The counters count super-steps.
-L2 must hold what all programs read in pass 1 until pass 2: programs x R x BLOCK_M x SLICE_N x (x and
-dy bytes), 17 MB at 132 x 4 x 8192 x 4 (bf16); past about half the L2 the re-reads go to DRAM.
 """
 
 import functools
@@ -96,60 +86,6 @@ def _row_sums(EXCHANGE, COUNTERS, group, step, num_slices, N, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _release(COUNTERS, group, step, RING: tl.constexpr):
-    """REREAD: count this slice's stores of the `step`-th super-step's sums in (as `_publish`)."""
-    tl.debug_barrier()  # every thread's stores before the (one-thread) release below
-    tl.atomic_add(COUNTERS + group * (RING + 1) + step % RING, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait(COUNTERS, group, step, num_slices, RING: tl.constexpr):
-    """REREAD: spin (acquire) until all slices published the `step`-th super-step (as `_row_sums`;
-    the R = 1 path keeps its own copy so that its compiled code stays as measured)."""
-    counter = COUNTERS + group * (RING + 1) + step % RING
-    target = num_slices * (step // RING + 1)
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _reread_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
-                 IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr, EVICT: tl.constexpr):
-    """`_slice_tile` with a cache hint on x and dy (REREAD): evict_last in pass 1, whose blocks pass 2
-    reads again from L2, evict_first in pass 2, their last read. Also returns rows and tile mask."""
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows64 = rows.to(tl.int64)
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(SRC + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-    rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
-    mean = rstd
-    if not IS_RMS:
-        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
-    xhat, dy, wdy = _tile_values(x, dy, mean, rstd, mask, W, w, cols, col_mask, IS_RMS, HAS_WEIGHT, ZERO_CENTERED,
-                                 True)
-    return rows64, mask, xhat, dy, wdy, rstd
-
-
-@triton.jit
-def _slot_sums(EXCHANGE, group, step, r, num_slices, N, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-               SLICES: tl.constexpr, IS_RMS: tl.constexpr, RING: tl.constexpr):
-    """`_row_sums` of rows [r * BLOCK_M, +BLOCK_M) of a slot of ROWS rows, after the caller's wait."""
-    slices = tl.arange(0, SLICES)
-    at = (EXCHANGE + (group * RING + step % RING) * 2 * num_slices * ROWS
-          + slices[:, None] * ROWS + r * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
-    mask = (slices < num_slices)[:, None]
-    c1 = tl.sum(tl.load(at, mask=mask, other=0.0, cache_modifier=".cg"), axis=0) / N
-    c2 = c1
-    if not IS_RMS:
-        c2 = tl.sum(tl.load(at + num_slices * ROWS, mask=mask, other=0.0, cache_modifier=".cg"), axis=0) / N
-    return c1, c2
-
-
-@triton.jit
 def _leave(COUNTERS, group, num_slices, RING: tl.constexpr):
     """The group's last slice out zeroes its counters: every slice is past its last wait then."""
     done = COUNTERS + group * (RING + 1) + RING
@@ -163,81 +99,57 @@ def coop_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, COUNTERS,
                     stride_src, stride_dy, stride_dz, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr,
-                    SLICE_N: tl.constexpr, SLICES: tl.constexpr, LOOKAHEAD: tl.constexpr, RING: tl.constexpr,
-                    REREAD: tl.constexpr):
+                    SLICE_N: tl.constexpr, SLICES: tl.constexpr, LOOKAHEAD: tl.constexpr, RING: tl.constexpr):
     """Program (slice c, group g) walks row blocks g, g + G, ... of columns [c * SLICE_N, +SLICE_N)."""
     slice_id, group, cols, col_mask, w, dw_acc, db_acc = _column_program(W, N, HAS_WEIGHT, ZERO_CENTERED, True,
                                                                          BLOCK_M, SLICE_N)
     num_slices = tl.num_programs(0)
     groups = tl.num_programs(1)
     steps = tl.cdiv(tl.cdiv(M, BLOCK_M) - group, groups)
-    if REREAD > 1:  # super-steps of REREAD blocks: pass 1 publishes their sums, pass 2 reads them again
-        ROWS: tl.constexpr = REREAD * BLOCK_M
-        for step in range(0, tl.cdiv(steps, REREAD)):
-            first = step * REREAD
-            count = tl.minimum(steps - first, REREAD)  # a partial last super-step walks only its blocks
-            at = EXCHANGE + ((group * RING + step % RING) * 2 * num_slices + slice_id) * ROWS + tl.arange(0, BLOCK_M)
-            for r in range(0, count):
-                _, _, xhat, dy, wdy, rstd = _reread_tile(
-                    SRC, DY, W, w, MEAN, RSTD, group + (first + r) * groups, cols, col_mask, M, stride_src,
-                    stride_dy, BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, "evict_last")
-                tl.store(at + r * BLOCK_M, tl.sum(xhat * wdy, axis=1))
-                if not IS_RMS:
-                    tl.store(at + num_slices * ROWS + r * BLOCK_M, tl.sum(wdy, axis=1))
-            _release(COUNTERS, group, step, RING)
-            _wait(COUNTERS, group, step, num_slices, RING)
-            for r in range(0, count):
-                rows64, mask, xhat, dy, wdy, rstd = _reread_tile(
-                    SRC, DY, W, w, MEAN, RSTD, group + (first + r) * groups, cols, col_mask, M, stride_src,
-                    stride_dy, BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, "evict_first")
-                c1, c2 = _slot_sums(EXCHANGE, group, step, r, num_slices, N, BLOCK_M, ROWS, SLICES, IS_RMS, RING)
-                _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
-                dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
-    else:
-        if LOOKAHEAD:  # block 0's sums go out before the loop
-            xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, group, cols, col_mask, M, stride_src,
+    if LOOKAHEAD:  # block 0's sums go out before the loop
+        xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, group, cols, col_mask, M, stride_src, stride_dy,
+                                          BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+        _publish(xhat, wdy, EXCHANGE, COUNTERS, group, 0, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
+    for step in range(0, steps):
+        block = group + step * groups
+        if LOOKAHEAD == 1:  # the next block's loads and sums go out before this block's wait
+            next_xhat, next_dy, next_wdy, next_rstd = _slice_tile(
+                SRC, DY, W, w, MEAN, RSTD, block + groups, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+                IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
+            _publish(next_xhat, next_wdy, EXCHANGE, COUNTERS, group, step + 1, slice_id, num_slices, BLOCK_M,
+                     IS_RMS, RING)
+        elif LOOKAHEAD == 2:  # only the next block's loads go out first: in flight during the wait
+            next_rows, next_row_mask, next_mask, next_x, next_dy, next_mean, next_rstd = _load_tile(
+                SRC, DY, MEAN, RSTD, block + groups, cols, col_mask, M, stride_src, stride_dy, BLOCK_M, IS_RMS)
+        else:
+            xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src,
                                               stride_dy, BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
-            _publish(xhat, wdy, EXCHANGE, COUNTERS, group, 0, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
-        for step in range(0, steps):
-            block = group + step * groups
-            if LOOKAHEAD == 1:  # the next block's loads and sums go out before this block's wait
-                next_xhat, next_dy, next_wdy, next_rstd = _slice_tile(
-                    SRC, DY, W, w, MEAN, RSTD, block + groups, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-                    IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
-                _publish(next_xhat, next_wdy, EXCHANGE, COUNTERS, group, step + 1, slice_id, num_slices, BLOCK_M,
-                         IS_RMS, RING)
-            elif LOOKAHEAD == 2:  # only the next block's loads go out first: in flight during the wait
-                next_rows, next_row_mask, next_mask, next_x, next_dy, next_mean, next_rstd = _load_tile(
-                    SRC, DY, MEAN, RSTD, block + groups, cols, col_mask, M, stride_src, stride_dy, BLOCK_M, IS_RMS)
-            else:
-                xhat, dy, wdy, rstd = _slice_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src,
-                                                  stride_dy, BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED)
-                _publish(xhat, wdy, EXCHANGE, COUNTERS, group, step, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
-            c1, c2 = _row_sums(EXCHANGE, COUNTERS, group, step, num_slices, N, BLOCK_M, SLICES, IS_RMS, RING)
-            rows64 = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            mask = (rows64 < M)[:, None] & col_mask[None, :]
-            if HAS_WEIGHT:  # recomputed rather than carried across the wait: fewer live registers
-                wdy = dy * w[None, :]
-            else:
-                wdy = dy
-            _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
-            dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
-            if LOOKAHEAD == 1:
-                xhat, dy, rstd = next_xhat, next_dy, next_rstd
-            elif LOOKAHEAD == 2:
-                xhat, dy, wdy = _tile_values(next_x, next_dy, next_mean, next_rstd, next_mask, W, w, cols, col_mask,
-                                             IS_RMS, HAS_WEIGHT, ZERO_CENTERED, True)
-                rstd = next_rstd
-                _publish(xhat, wdy, EXCHANGE, COUNTERS, group, step + 1, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
+            _publish(xhat, wdy, EXCHANGE, COUNTERS, group, step, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
+        c1, c2 = _row_sums(EXCHANGE, COUNTERS, group, step, num_slices, N, BLOCK_M, SLICES, IS_RMS, RING)
+        rows64 = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows64 < M)[:, None] & col_mask[None, :]
+        if HAS_WEIGHT:  # recomputed rather than carried across the wait: fewer live registers
+            wdy = dy * w[None, :]
+        else:
+            wdy = dy
+        _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
+        dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
+        if LOOKAHEAD == 1:
+            xhat, dy, rstd = next_xhat, next_dy, next_rstd
+        elif LOOKAHEAD == 2:
+            xhat, dy, wdy = _tile_values(next_x, next_dy, next_mean, next_rstd, next_mask, W, w, cols, col_mask,
+                                         IS_RMS, HAS_WEIGHT, ZERO_CENTERED, True)
+            rstd = next_rstd
+            _publish(xhat, wdy, EXCHANGE, COUNTERS, group, step + 1, slice_id, num_slices, BLOCK_M, IS_RMS, RING)
     _store_partials(dw_acc, db_acc, PARTIAL, group, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
     _leave(COUNTERS, group, num_slices, RING)
 
 
 @functools.lru_cache(maxsize=None)
-def workspace(device: torch.device, stream: int, programs: int, rows: int) -> tuple:
-    """(exchange, counters) for up to `programs` resident programs: fp32 [programs, RING, 2, rows]
-    (G * C <= programs, so any grid's [G, RING, 2, C, rows] fits; rows per slot: BLOCK_M * REREAD)
-    and int32 [programs, RING + 1], zeroed once; the kernel leaves the counters zero. One per stream:
-    two launches running at once must not share counters."""
-    exchange = torch.empty(programs * RING * 2 * rows, dtype=torch.float32, device=device)
+def workspace(device: torch.device, stream: int, programs: int, block_m: int) -> tuple:
+    """(exchange, counters) for up to `programs` resident programs: fp32 [programs, RING, 2, block_m]
+    (G * C <= programs, so any grid's [G, RING, 2, C, block_m] fits) and int32 [programs, RING + 1],
+    zeroed once; the kernel leaves the counters zero. One per stream: two launches running at once
+    must not share counters."""
+    exchange = torch.empty(programs * RING * 2 * block_m, dtype=torch.float32, device=device)
     return exchange, torch.zeros(programs * (RING + 1), dtype=torch.int32, device=device)
