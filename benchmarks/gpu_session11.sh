@@ -5,6 +5,7 @@
 #   sweep    the long-row backward candidates (gpu_longrow.py: split, cooperative, cooperative with re-read)
 #   hf       HF decoders eager and compiled (native / shardnorm / shardnorm without the passes / Liger), then
 #            the compiled Llama step's kernel profile
+#   confirm  after REREAD's removal: the long-row backward's GPU tests, then the HF decoders again
 set -u
 OUT=${OUT:?set OUT}; mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
@@ -31,5 +32,10 @@ case "${1:-tests}" in
     liger
     box hf_models 420 python3 benchmarks/bench_hf_models.py --out "$OUT" --budget-s 380
     box profile_llama 150 python3 benchmarks/profile_hf_step.py --out "$OUT" --arch llama ;;
+  confirm)
+    liger
+    box gpu_tests_long 170 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_coop.py tests/test_kernels.py \
+        -k "long or 20000 or coop" -rs
+    box hf_models 420 python3 benchmarks/bench_hf_models.py --out "$OUT" --budget-s 380 ;;
 esac
 echo "== [$((SECONDS - t0)) s] done"
