@@ -6,6 +6,7 @@
 #   hf       HF decoders eager and compiled (native / shardnorm / shardnorm without the passes / Liger), then
 #            the compiled Llama step's kernel profile
 #   confirm  after REREAD's removal: the long-row backward's GPU tests, then the HF decoders again
+#   long     the HF decoders with 6 rounds (90 interleaved steps per variant): compiled shardnorm vs native
 set -u
 OUT=${OUT:?set OUT}; mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
@@ -37,5 +38,8 @@ case "${1:-tests}" in
     box gpu_tests_long 170 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_coop.py tests/test_kernels.py \
         -k "long or 20000 or coop" -rs
     box hf_models 420 python3 benchmarks/bench_hf_models.py --out "$OUT" --budget-s 380 ;;
+  long)
+    liger
+    box hf_models 580 python3 benchmarks/bench_hf_models.py --out "$OUT" --budget-s 540 --rounds 6 ;;
 esac
 echo "== [$((SECONDS - t0)) s] done"
