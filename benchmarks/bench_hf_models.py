@@ -405,11 +405,11 @@ def main(argv=None):
                         help="skip the fp32 first step per architecture that every variant's error is measured against")
     parser.add_argument("--rejudge", metavar="JSON",
                         help="re-apply the parity rule to an earlier run's hf_models.json and rewrite its table")
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timing rounds per case (each TIMED_STEPS steps)")
+    parser.add_argument("--rounds", type=int, help="timing rounds per case (default 3)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the code paths only")
     args = parser.parse_args(argv)
     global DEVICE, SHAPE, SEQ, TIMED_STEPS, ROUNDS
-    ROUNDS = args.rounds
+    ROUNDS = args.rounds or ROUNDS
     if args.smoke:
         DEVICE, SHAPE, SEQ, TIMED_STEPS, ROUNDS = "cpu", SMOKE_SHAPE, 16, 2, 1
     out = Path(args.out)
