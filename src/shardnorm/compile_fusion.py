@@ -36,7 +36,7 @@ _log = logging.getLogger(__name__)
 
 
 def install() -> bool:
-    """Hand the pass to Inductor, unless it holds it already (checked each time: a `config.patch` or the user
+    """Hand both passes to Inductor, unless it holds them already (checked each time: a `config.patch` or the user
     may have replaced it since). Cheap: called from the op's fake impl, i.e. while tracing only. False while
     Inductor is not loaded."""
     return (_torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", fuse_residual_adds, _uuid)
@@ -152,7 +152,6 @@ def _between(first: fx.Node, last: fx.Node):
     while node is not last:
         yield node
         node = node.next
-
 
 
 # ---- the backward: the norm's grad is a sum ---------------------------------------------------------------
