@@ -7,6 +7,7 @@
 #            the compiled Llama step's kernel profile
 #   confirm  after REREAD's removal: the long-row backward's GPU tests, then the HF decoders again
 #   long     the HF decoders with 6 rounds (90 interleaved steps per variant): compiled shardnorm vs native
+#   mainjob  the main job compiled on one GPU (tp=1): torch norms / shardnorm / shardnorm without the passes
 set -u
 OUT=${OUT:?set OUT}; mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
@@ -41,5 +42,13 @@ case "${1:-tests}" in
   long)
     liger
     box hf_models 580 python3 benchmarks/bench_hf_models.py --out "$OUT" --budget-s 540 --rounds 6 ;;
+  mainjob)
+    export PYTHONPATH="$ROOT/src:$ROOT"
+    run() { NPROC=1 timeout -k 5 170 launch/train.sh configs/llama_small_fsdp_tp.toml parallel.tp=1 train.steps=30 \
+              train.timing_skip=10 "${@:2}" --compile > "$OUT/mainjob_$1.txt" 2>&1
+            echo "$1 rc=$?"; grep -E "fused|summed|summary" "$OUT/mainjob_$1.txt" | tail -4; }
+    run torch --norm torch
+    run shardnorm --norm shardnorm
+    SHARDNORM_COMPILE_FUSION=0 run shardnorm_unfused --norm shardnorm ;;
 esac
 echo "== [$((SECONDS - t0)) s] done"

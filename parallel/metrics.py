@@ -14,12 +14,14 @@ logger = logging.getLogger("parallel")
 
 
 def setup_logging(is_main: bool) -> None:
-    """INFO lines on rank 0; other ranks only report warnings and errors."""
+    """INFO lines on rank 0; other ranks only report warnings and errors. shardnorm's own log (e.g. what
+    its compile passes fused) goes to the same place."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO if is_main else logging.WARNING)
-    logger.propagate = False
+    for log in (logger, logging.getLogger("shardnorm")):
+        log.addHandler(handler)
+        log.setLevel(logging.INFO if is_main else logging.WARNING)
+        log.propagate = False
 
 
 def format_step(record: dict) -> str:
