@@ -37,7 +37,7 @@ _log = logging.getLogger(__name__)
 
 def install() -> bool:
     """Hand both passes to Inductor, unless it holds them already (checked each time: a `config.patch` or the user
-    may have replaced it since). Cheap: called from the op's fake impl, i.e. while tracing only. False while
+    may have replaced them since). Cheap: called from the op's fake impl, i.e. while tracing only. False while
     Inductor is not loaded."""
     return (_torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", fuse_residual_adds, _uuid)
             and _torch_compat.add_inductor_graph_pass("post_grad_custom_post_pass", fuse_grad_terms, _uuid))
@@ -159,6 +159,7 @@ def _between(first: fx.Node, last: fx.Node):
 _aten = torch.ops.aten
 _ATEN_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
 MAX_GRAD_TERMS = 3  # dy, dy2, dy3 of `shardnorm::norm_bwd`
+_BWD_ARGS = 9  # norm_bwd's arguments before dy2, dy3 (dy ... zero_centered)
 
 
 def fuse_grad_terms(graph: fx.Graph) -> int:
@@ -170,7 +171,7 @@ def fuse_grad_terms(graph: fx.Graph) -> int:
     removed = 0
     for norm in [n for n in graph.nodes if n.op == "call_function" and n.target is norm_bwd]:
         dy = norm.args[0]
-        if len(norm.args) != 9 or norm.kwargs or not isinstance(dy, fx.Node):  # already given terms
+        if len(norm.args) != _BWD_ARGS or norm.kwargs or not isinstance(dy, fx.Node):  # already given terms
             continue
         terms = _sum_terms(_strip_views(dy))
         if not 2 <= len(terms) <= MAX_GRAD_TERMS or not _same_rows(terms, dy):
@@ -188,7 +189,7 @@ def fuse_grad_terms(graph: fx.Graph) -> int:
         if "eager_input_vals" in norm.meta:  # the inputs' layouts Inductor holds the op to: now with the terms
             (_, *rest), kwargs = norm.meta["eager_input_vals"]
             vals = [None if v is None else v.meta["val"] for v in views]
-            norm.meta["eager_input_vals"] = ((vals[0], *rest[:8], *vals[1:]), kwargs)
+            norm.meta["eager_input_vals"] = ((vals[0], *rest[:_BWD_ARGS - 1], *vals[1:]), kwargs)
         for node in old_chain:  # users before what they use
             if not node.users:
                 graph.erase_node(node)

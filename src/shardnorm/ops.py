@@ -80,7 +80,7 @@ def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residu
 
 @norm_fwd.register_fake
 def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
-    from . import compile_fusion  # traced for torch.compile (only then): let Inductor fuse residual adds into this op
+    from . import compile_fusion  # traced for torch.compile (only then): let Inductor fuse the adds around this op
 
     compile_fusion.install()
     M, N = x.shape
