@@ -48,6 +48,11 @@ def candidates() -> dict:
         "coop_16384x1_w32": coop(16384, 1, 32),
         "coop_16384x1_w16": coop(16384, 1, 16),
         "coop_8192x2_w32": coop(8192, 2, 32),
+        # session 12: the row staged in shared memory (Gluon), where it fits (LayerNorm to 16384 columns)
+        "staged_w16": config.StagedBwdConfig(16),
+        "staged_w32": config.StagedBwdConfig(32),
+        "staged_w16_v16": config.StagedBwdConfig(16, vec=16),
+        "staged_w8_v32": config.StagedBwdConfig(8, vec=32),
     }
 
 
@@ -234,6 +239,9 @@ def main():
     parser.add_argument("--child")
     parser.add_argument("--names")
     parser.add_argument("--copy-gbs", type=float, default=0)
+    parser.add_argument("--candidates", help="comma-separated candidate names (default: all)")
+    parser.add_argument("--max-n", type=int, help="only shapes with N up to this")
+    parser.add_argument("--only", help="comma-separated norm:N:weights shapes, e.g. layer:16384:bfloat16")
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.names.split(","), args.copy_gbs)
@@ -242,6 +250,13 @@ def main():
     shapes = SHAPES
     if args.quick:
         names, shapes = names[:2] + names[4:5], [s for s in SHAPES if s[3] == "bfloat16"]
+    if args.candidates:
+        names = args.candidates.split(",")
+    if args.max_n:
+        shapes = [s for s in shapes if s[2] <= args.max_n]
+    if args.only:
+        keep = {tuple(k.split(":")) for k in args.only.split(",")}
+        shapes = [s for s in shapes if (s[0], str(s[2]), s[3]) in keep]
     start = time.monotonic()
     jobs = sorted({(norm, n, wd, name) for norm, _, n, wd in shapes for name in names})
     with multiprocessing.get_context("spawn").Pool(min(12, len(jobs))) as pool:

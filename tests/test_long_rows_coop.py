@@ -98,7 +98,9 @@ def test_table_and_forced_selection(monkeypatch):
     says so, or everywhere when forced; never on a device that cannot run it."""
     for n, parts, rms in ((16384 + 1, 2, False), (32768, 1, True), (65536, 2, False), (65536, 1, True)):
         key = (config.next_pow2(n), 2, rms)
-        assert config.bwd_config(n, parts, 2, rms, False, "table") == config.COOP_BWD.get(key, config.BWD_SPLIT)
+        assert config.bwd_config(n, parts, 2, rms, False, "table") == config.STAGED_BWD.get(
+            key, config.COOP_BWD.get(key, config.BWD_SPLIT))
+        assert config.bwd_config(n, parts, 2, rms, False, "coop-table") == config.COOP_BWD.get(key, config.BWD_SPLIT)
         assert config.bwd_config(n, parts, 2, rms, False, "force") == config.COOP_BWD_DEFAULT
         assert config.bwd_config(n, parts, 2, rms, False, "") == config.BWD_SPLIT
     assert config.bwd_config(4096, 2, 2, False, False, "force") == config.bwd_config(4096, 2, 2, False, False, "")

@@ -112,7 +112,15 @@ class CoopBwdConfig:
     cooperative: bool = True
 
 
-BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig]
+@dataclass(frozen=True)
+class StagedBwdConfig:
+    """The staged backward (`norm_bwd_staged.py`, Gluon): one persistent program per SM holds whole rows
+    in shared memory, copied in chunks of vec x 32 x num_warps elements (vec: elements per 16-byte copy)."""
+    num_warps: int
+    vec: int = 8
+
+
+BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig, StagedBwdConfig]
 
 # Large-N paths, from the H100 sweeps (benchmarks/NOTES.md, v5, v7). fp32 weight and bias are read
 # again for every chunk; two rows per tile halve that (LayerNorm fp32 32768: 61% -> 75% of copy).
@@ -208,6 +216,17 @@ COOP_BWD = {(16384, 2, False): _COOP_LN, (32768, 2, False): _COOP_LN, (65536, 2,
             (32768, 4, False): _COOP_LN, (32768, 2, True): _COOP_RMS, (65536, 2, True): _COOP_RMS,
             (65536, 4, True): _COOP_RMS}
 COOP_BWD_DEFAULT = _COOP_LN
+# The staged backward (Gluon), where the row fits (norm_bwd_staged.fits) and a call's rows are 16-byte
+# aligned; the plan falls back to COOP_BWD / the split backward otherwise. H100, bf16, % of copy (GPU time,
+# results/h100-2026-11-25-s12): LayerNorm 14336 80% (cooperative 62%), 16384 90% (68%); RMSNorm 32768
+# 91% (78%). `SHARDNORM_LONG_BWD=staged` runs STAGED_BWD_DEFAULT for every long row it can take.
+STAGED_BWD_DEFAULT = StagedBwdConfig(num_warps=32)
+STAGED_BWD = {(16384, 2, False): STAGED_BWD_DEFAULT, (32768, 2, True): STAGED_BWD_DEFAULT}
+
+
+def without_staged(coop: str) -> str:
+    """The long-row mode to fall back to when the plan cannot run a staged config."""
+    return "coop-table" if coop in ("table", "staged") else coop
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,7 +234,10 @@ def bwd_config(n: int, num_partials: int, param_size: int = 2, rms: bool = False
                clusters: bool = False, coop: str = "") -> BwdConfig:
     """num_partials: dgamma and/or dbeta; param_size: bytes per weight element; rms: RMSNorm (one row
     sum per row, no dbeta); clusters: as in fwd_config; coop: `coop_mode`'s answer ("": never the
-    cooperative backward, "table": where COOP_BWD has it, "force": for every long row)."""
+    cooperative backward, "table": the staged backward where STAGED_BWD has it, else the cooperative one
+    where COOP_BWD has it, "coop-table": COOP_BWD only, "force": the cooperative backward for every long
+    row, "staged": the staged one). A staged config the plan cannot run goes back here with
+    `without_staged(coop)`."""
     block_n = next_pow2(n)
     main_n, tail_n = row_tiles(n)
     if rms and param_size == 2 and main_n == 4096 and tail_n in (512, 1024):
@@ -223,6 +245,10 @@ def bwd_config(n: int, num_partials: int, param_size: int = 2, rms: bool = False
     if n > MAX_FUSED_N_BWD[num_partials]:
         if coop == "force":
             return COOP_BWD_DEFAULT
+        if coop == "staged":
+            return STAGED_BWD_DEFAULT
+        if coop == "table" and (block_n, param_size, rms) in STAGED_BWD:
+            return STAGED_BWD[block_n, param_size, rms]
         if coop and (block_n, param_size, rms) in COOP_BWD:
             return COOP_BWD[block_n, param_size, rms]
         return CLUSTER_BWD.get((block_n, param_size), BWD_SPLIT) if clusters else BWD_SPLIT
@@ -272,6 +298,8 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
         return row_groups(cfg, m, n, sm_count)
     if isinstance(cfg, CoopBwdConfig):
         return coop_groups(cfg, m, n, sm_count)
+    if isinstance(cfg, StagedBwdConfig):  # one program per SM, at most one per row
+        return max(1, min(m, sm_count))
     return cfg.programs(cdiv(m, cfg.block_m), sm_count)
 
 
@@ -284,10 +312,27 @@ def column_sum_block(k: int, sms: int) -> int:
 
 def coop_mode(device: torch.device) -> str:
     """How long rows choose the cooperative backward on `device`: "" where it cannot run, else
-    "force" when SHARDNORM_LONG_BWD=coop (benchmarks, and the test suite on a GPU), else "table"."""
+    "force" when SHARDNORM_LONG_BWD=coop (benchmarks, and the test suite on a GPU), "staged" when
+    SHARDNORM_LONG_BWD=staged and the staged backward can run, else "table"."""
     if not cooperative(device):
         return ""
-    return "force" if os.environ.get("SHARDNORM_LONG_BWD") == "coop" else "table"
+    forced = os.environ.get("SHARDNORM_LONG_BWD")
+    if forced == "staged":
+        return "staged" if staged(device) else "table"
+    return "force" if forced == "coop" else "table"
+
+
+@functools.lru_cache(maxsize=None)
+def staged(device: torch.device) -> bool:
+    """Whether long rows may take the staged backward: NVIDIA sm_80+ (cp.async) with Gluon importable.
+    Never on CPU tensors: Gluon does not run under the interpreter."""
+    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] < 8:
+        return False
+    try:
+        from . import norm_bwd_staged  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)

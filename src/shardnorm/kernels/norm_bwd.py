@@ -166,6 +166,14 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     return plan(dy, dz, src, weight, mean, rstd, dy_terms)
 
 
+def _stageable(src, dy, weight, dy_terms) -> bool:
+    """What the staged backward's 16-byte copies need of a call: bf16/fp16 x and dy (it sizes shared
+    memory for 2-byte rows), one dy (terms are summed in fp32 first), rows and pointers 16-byte aligned."""
+    return (src.element_size() == 2 and dy.element_size() == 2 and not dy_terms and
+            not (src.stride()[0] | dy.stride()[0]) & 15 and
+            not (src.data_ptr() | dy.data_ptr() | (weight.data_ptr() if weight is not None else 0)) & 15)
+
+
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_centered: bool, device,
           clusters: bool, coop: str = "", dy_terms: int = 1) -> "_BwdPlan":
@@ -186,11 +194,27 @@ class _BwdPlan:
         self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters,
                                      coop)
         self.sms = config.sm_count(device)
+        if isinstance(self.cfg, config.StagedBwdConfig) and not (config.staged(device) and self._staged_fits()):
+            self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters,
+                                         config.without_staged(coop))
+            if isinstance(self.cfg, config.StagedBwdConfig):  # a forced config (tests, sweeps)
+                self.cfg = config.BWD_SPLIT
         interpreted = not isinstance(coop_bwd_kernel, JITFunction)
         if isinstance(self.cfg, config.CoopBwdConfig) and not config.coop_fits(self.cfg, n, self.sms, interpreted):
             self.cfg = config.BWD_SPLIT
+        # what the staged backward's 16-byte copies cannot take goes to the plan without it (_stageable)
+        self.wide_rows = functools.partial(_plan, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device,
+                                           clusters, config.without_staged(coop), dy_terms)
         flags = dict(IS_RMS=rms, HAS_WEIGHT=has_weight, ZERO_CENTERED=zero_centered)
-        if isinstance(self.cfg, config.CoopBwdConfig):
+        if isinstance(self.cfg, config.StagedBwdConfig):
+            from .norm_bwd_staged import stage_weight, staged_bwd_kernel
+
+            cfg = self.cfg
+            chunk = cfg.vec * 32 * cfg.num_warps
+            self.staged = Launcher(staged_bwd_kernel, cfg.num_warps, derived=(6, 7), HAS_BIAS=has_bias, HAS_DZ=has_dz,
+                                   VEC=cfg.vec, CHUNKS=config.cdiv(n, chunk),
+                                   STAGE_W=stage_weight(n, chunk, weight_dtype.itemsize if has_weight else 0), **flags)
+        elif isinstance(self.cfg, config.CoopBwdConfig):
             cfg = self.cfg
             self.slices = config.cdiv(n, cfg.slice_n)
             self.coop = Launcher(coop_bwd_kernel, cfg.num_warps, cooperative=cfg.cooperative, HAS_BIAS=has_bias,
@@ -212,11 +236,21 @@ class _BwdPlan:
                                   BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
                                   HOIST_PARAMS=cfg.hoist_params, **flags)
         self.split = isinstance(self.cfg, config.SplitBwdConfig)
-        self.one_pass = not self.split and not isinstance(self.cfg, config.CoopBwdConfig)
+        self.one_pass = isinstance(self.cfg, config.TileConfig)
         self.grids = {}  # M -> (partial rows, dx tiles), host time per call (bounded: MAX_CACHED_M)
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
         self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
+
+    def _staged_fits(self) -> bool:
+        """The staged backward's shared memory for bf16/fp16 rows (2 bytes each of x and dy: its vec of 8
+        makes 16-byte copies) within the GPU's, for a norm with parameter grads (it writes partials);
+        N a multiple of 16, as Triton must know to compile 16-byte copies of whole rows."""
+        from .norm_bwd_staged import fits
+
+        cfg = self.cfg
+        return self.num_grads > 0 and self.n % 16 == 0 and fits(self.n, cfg.vec * 32 * cfg.num_warps, 2, 2,
+                                                                 self.num_grads)
 
     # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
     # left out of the launch keys; their dtypes are fixed by src and the plan.
@@ -228,6 +262,8 @@ class _BwdPlan:
 
     def __call__(self, dy, dz, src, weight, mean, rstd, dy_terms=()):
         M, N = src.shape
+        if isinstance(self.cfg, config.StagedBwdConfig) and not _stageable(src, dy, weight, dy_terms):
+            return self.wide_rows()(dy, dz, src, weight, mean, rstd, dy_terms)
         if dy_terms and not self.one_pass:  # long rows: the split and cooperative kernels read one dy (fp32)
             dy = sum((t.float() for t in dy_terms), dy.float())
         device = src.device
@@ -236,7 +272,10 @@ class _BwdPlan:
         partial_rows, dx_tiles = config.per_m(self.grids, M, self._grid)
         partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
         dz_stride = dz.stride()[0] if dz is not None else 0
-        if isinstance(self.cfg, config.CoopBwdConfig):
+        if isinstance(self.cfg, config.StagedBwdConfig):
+            self.staged((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride()[0], dy.stride()[0],
+                        dz_stride, M, N)
+        elif isinstance(self.cfg, config.CoopBwdConfig):
             cfg = self.cfg
             stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
             exchange, counters = workspace(device, stream, self.sms * cfg.programs_per_sm, cfg.block_m)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Session 12's GPU runs. Usage: OUT=dir bash benchmarks/gpu_session12.sh STAGE
+#   staged   the staged (Gluon, shared-memory) long-row backward: its GPU tests, then gpu_longrow.py's
+#            split / cooperative / staged candidates at the rows it fits (LayerNorm 14336 and 16384)
+#   tests    quack stage_a (call 1 of 2, carry .whl/quack_a), then the long-row GPU tests (staged, cooperative,
+#            the kernel tests' long rows)
+#   longrow  quack install (call 2, carry .whl/quack_b + Liger), bench_kernels' long rows, every peer with quack
+#   host     host time per call (benchmarks/host_time.py), and the kernel tests of the changed launch path
+set -u
+OUT=${OUT:?set OUT}; mkdir -p "$OUT"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
+export PYTHONPATH="$ROOT/src:$ROOT/tests:$ROOT"
+t0=$SECONDS
+box() { local name=$1 secs=$2; shift 2; echo "== [$((SECONDS - t0)) s] $name"
+        timeout -k 5 "$secs" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -8 "$OUT/$name.txt"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+case "${1:-staged}" in
+  staged)
+    [ -n "${SKIP_TESTS:-}" ] || box staged_tests 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_long_rows_staged.py -rs
+    box staged_sweep 300 python3 benchmarks/gpu_longrow.py --out "$OUT" --timeout 60 \
+        --only layer:14336:bfloat16,layer:16384:bfloat16,rms:32768:bfloat16 \
+        --candidates "${CANDIDATES:-split,coop_8192x1_w16,coop_8192x1_w32,staged_w16,staged_w32}" ;;
+  tests)
+    [ -d .whl/quack_a ] && source benchmarks/quack_env.sh stage_a
+    box gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py \
+        tests/test_long_rows_coop.py tests/test_kernels.py -k "long or 20000 or coop or staged" -rs ;;
+  longrow)
+    source benchmarks/quack_env.sh install || exit 1
+    box longrow_bf16 540 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \
+        --out "$OUT/longrow_bf16.json" ;;
+  host)
+    box host_time 300 python3 benchmarks/host_time.py --out "$OUT" ;;
+esac
+echo "== [$((SECONDS - t0)) s] done"

@@ -1,0 +1,191 @@
+"""Long-row backward with the row staged in shared memory (Gluon), so x and dy are read from HBM once.
+
+Triton's `tl` keeps a tile in registers, and a 14336-16384-column LayerNorm row (x, dy and the
+dgamma/dbeta accumulators) does not fit one program's registers: the `tl` paths read the row twice
+(split backward) or exchange row sums between programs (cooperative backward). Here one persistent
+program per SM owns whole rows: it copies a row's x and dy into shared memory chunk by chunk with
+`cp.async`, takes the two row sums from there, then reads the chunks again for dx; as soon as a chunk
+is consumed the same thread copies the next row's chunk into its place, so the loads of row i + 1 are
+in flight during row i's dx pass. The fp32 dgamma/dbeta sums stay in registers (up to half the
+register file: LayerNorm to 16384 columns, RMSNorm to 32768) and go to the same [P, G*N] partial
+buffer and `column_sum_kernel` as the other backwards (deterministic).
+
+Every thread reads back only the elements it copied itself (one distributed layout for the copies and
+the loads), so the chunk pipeline needs no block barrier. Gluon does not run under TRITON_INTERPRET:
+the split backward, the same math in `tl`, is what CI checks on CPU; this kernel is checked against
+float64 on the GPU (tests/test_long_rows.py).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+SMEM_BYTES = 227 * 1024  # Hopper's opt-in shared memory per block
+MAX_CHUNKS = 4  # register sums for up to 4 chunks (below)
+
+
+MAX_SUMS = 32768  # fp32 dgamma/dbeta sums per program: half the register file (256 KB)
+
+
+def stage_weight(n: int, chunk: int, weight_size: int) -> bool:
+    """Whether the weight fits in shared memory beside bf16/fp16 x and dy (STAGE_W)."""
+    return bool(weight_size) and -(-n // chunk) * chunk * (2 + 2 + weight_size) <= SMEM_BYTES
+
+
+def fits(n: int, chunk: int, src_size: int, dy_size: int, num_grads: int) -> bool:
+    """Whether rows of n columns fit: at most MAX_CHUNKS chunks, x and dy within shared memory, the
+    parameter-grad sums within half the registers."""
+    padded = -(-n // chunk) * chunk
+    return padded <= MAX_CHUNKS * chunk and padded * (src_size + dy_size) <= SMEM_BYTES and \
+        padded * num_grads <= MAX_SUMS
+
+
+@gluon.jit
+def _issue_row(xs, dys, SRC, DY, row, M, N, stride_src, stride_dy, offs, c: gl.constexpr, CHUNK: gl.constexpr):
+    """cp.async of chunk c of `row` (nothing past M: the copy zero-fills) into its slot; one group."""
+    cols = c * CHUNK + offs
+    mask = (cols < N) & (row < M)
+    row64 = row.to(gl.int64)
+    async_copy.async_copy_global_to_shared(xs.index(c), SRC + row64 * stride_src + cols, mask=mask)
+    async_copy.async_copy_global_to_shared(dys.index(c), DY + row64 * stride_dy + cols, mask=mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def staged_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, stride_src, stride_dy, stride_dz, M, N,
+                      IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DZ: gl.constexpr,
+                      ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr, STAGE_W: gl.constexpr):
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
+    gl.static_assert(CHUNKS <= 4)  # MAX_CHUNKS
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
+    staged: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per chunk; index() takes the chunk
+    xs = gl.allocate_shared_memory(SRC.dtype.element_ty, [CHUNKS, CHUNK], staged)
+    dys = gl.allocate_shared_memory(DY.dtype.element_ty, [CHUNKS, CHUNK], staged)
+    offs = gl.arange(0, CHUNK, layout=layout)
+    # STAGE_W: the weight in shared memory too, copied with the first row: read twice per row, from L2
+    # it would put a load's latency into every chunk of both passes.
+    if STAGE_W:
+        ws = gl.allocate_shared_memory(W.dtype.element_ty, [CHUNKS, CHUNK], staged)
+        for c in gl.static_range(CHUNKS):
+            async_copy.async_copy_global_to_shared(ws.index(c), W + c * CHUNK + offs, mask=c * CHUNK + offs < N)
+    else:
+        ws = xs  # unused
+    zero = gl.zeros([CHUNK], gl.float32, layout)
+    # dgamma / dbeta sums of chunks 0-3 in registers (a chunk's are its own variables: Gluon has no
+    # register arrays); absent chunks' stay unused and compile away.
+    dw0, dw1, dw2, dw3 = zero, zero, zero, zero
+    db0, db1, db2, db3 = zero, zero, zero, zero
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    for c in gl.static_range(CHUNKS):
+        _issue_row(xs, dys, SRC, DY, pid, M, N, stride_src, stride_dy, offs, c, CHUNK)
+    for row in range(pid, M, programs):
+        rstd = gl.load(RSTD + row)
+        mean = 0.0
+        if not IS_RMS:
+            mean = gl.load(MEAN + row)
+        # Pass 1: the row sums, each chunk as soon as its copy has landed.
+        sum_xwdy = zero
+        sum_wdy = zero
+        for c in gl.static_range(CHUNKS):
+            async_copy.wait_group(CHUNKS - 1 - c)
+            cols = c * CHUNK + offs
+            xhat, dy, wdy = _chunk_values(xs, dys, ws, W, c, cols, cols < N, mean, rstd, layout, IS_RMS, HAS_WEIGHT,
+                                          ZERO_CENTERED, STAGE_W)
+            sum_xwdy += xhat * wdy
+            sum_wdy += wdy
+        if IS_RMS:
+            c1 = gl.sum(sum_xwdy, axis=0) / N
+            c2 = c1
+        else:  # both sums in one reduction: one exchange through shared memory, not two
+            c1, c2 = gl.reduce((sum_xwdy, sum_wdy), 0, _add_pairs)
+            c1 = c1 / N
+            c2 = c2 / N
+        # Pass 2: dx and the parameter grads; each consumed chunk's slot takes the next row's chunk.
+        dw0, db0 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz,
+                                 offs, mean, rstd, c1, c2, dw0, db0, 0, layout, CHUNK, IS_RMS, HAS_WEIGHT,
+                                 HAS_DZ, ZERO_CENTERED, STAGE_W)
+        if CHUNKS > 1:
+            dw1, db1 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz,
+                                 offs, mean, rstd, c1, c2, dw1, db1, 1, layout, CHUNK, IS_RMS, HAS_WEIGHT,
+                                 HAS_DZ, ZERO_CENTERED, STAGE_W)
+        if CHUNKS > 2:
+            dw2, db2 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz,
+                                 offs, mean, rstd, c1, c2, dw2, db2, 2, layout, CHUNK, IS_RMS, HAS_WEIGHT,
+                                 HAS_DZ, ZERO_CENTERED, STAGE_W)
+        if CHUNKS > 3:
+            dw3, db3 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz,
+                                 offs, mean, rstd, c1, c2, dw3, db3, 3, layout, CHUNK, IS_RMS, HAS_WEIGHT,
+                                 HAS_DZ, ZERO_CENTERED, STAGE_W)
+    async_copy.wait_group(0)  # the last (empty) copies, before the program's shared memory goes
+    partial = PARTIAL + pid.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS))
+    _store_sums(partial, N, offs, dw0, db0, 0, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 1:
+        _store_sums(partial, N, offs, dw1, db1, 1, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 2:
+        _store_sums(partial, N, offs, dw2, db2, 2, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 3:
+        _store_sums(partial, N, offs, dw3, db3, 3, CHUNK, HAS_WEIGHT, HAS_BIAS)
+
+
+@gluon.jit
+def _add_pairs(a, b, c, d):
+    return a + c, b + d
+
+
+@gluon.jit
+def _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz, offs, mean, rstd, c1,
+              c2, dw, db, c: gl.constexpr, layout: gl.constexpr, CHUNK: gl.constexpr, IS_RMS: gl.constexpr,
+              HAS_WEIGHT: gl.constexpr, HAS_DZ: gl.constexpr, ZERO_CENTERED: gl.constexpr,
+              STAGE_W: gl.constexpr):
+    """Chunk c of the row's dx, its dgamma / dbeta terms added to (dw, db); then the chunk's slot takes
+    the next row's chunk."""
+    cols = c * CHUNK + offs
+    col_mask = cols < N
+    xhat, dy, wdy = _chunk_values(xs, dys, ws, W, c, cols, col_mask, mean, rstd, layout, IS_RMS, HAS_WEIGHT,
+                                  ZERO_CENTERED, STAGE_W)
+    if IS_RMS:
+        dx = (wdy - xhat * c1) * rstd
+    else:
+        dx = (wdy - (xhat * c1 + c2)) * rstd
+    row64 = row.to(gl.int64)
+    if HAS_DZ:
+        dx += gl.load(DZ + row64 * stride_dz + cols, mask=col_mask, other=0.0).to(gl.float32)
+    gl.store(DX + row64 * N + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
+    _issue_row(xs, dys, SRC, DY, row + programs, M, N, stride_src, stride_dy, offs, c, CHUNK)
+    return dw + dy * xhat, db + dy
+
+
+@gluon.jit
+def _store_sums(partial, N, offs, dw, db, c: gl.constexpr, CHUNK: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+                HAS_BIAS: gl.constexpr):
+    """Chunk c of the program's dgamma / dbeta sums into its partial row: dgamma, then dbeta."""
+    cols = c * CHUNK + offs
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        gl.store(partial + cols, dw, mask=col_mask)
+    if HAS_BIAS:
+        gl.store(partial + HAS_WEIGHT * N + cols, db, mask=col_mask)
+
+
+@gluon.jit
+def _chunk_values(xs, dys, ws, W, c: gl.constexpr, cols, col_mask, mean, rstd, layout: gl.constexpr,
+                  IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr):
+    """(xhat, dy, w * dy) of chunk c in fp32, zero past N (the copies zero-filled x and dy there)."""
+    x = xs.index(c).load(layout).to(gl.float32)
+    dy = dys.index(c).load(layout).to(gl.float32)
+    if IS_RMS:
+        xhat = x * rstd
+    else:
+        xhat = gl.where(col_mask, (x - mean) * rstd, 0.0)
+    wdy = dy
+    if HAS_WEIGHT:
+        if STAGE_W:
+            w = ws.index(c).load(layout).to(gl.float32)
+        else:
+            w = gl.load(W + cols, mask=col_mask, other=0.0).to(gl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        wdy = dy * w
+    return xhat, dy, wdy

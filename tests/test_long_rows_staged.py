@@ -1,0 +1,139 @@
+"""The staged long-row backward (`kernels/norm_bwd_staged.py`, Gluon) against float64.
+
+Gluon does not run under the interpreter: on CPU only the selection is checked (never staged there,
+and the split backward, the same math in `tl`, is what runs); the kernel itself needs a GPU.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import backend_device
+from shardnorm.kernels import config, norm_fwd
+from test_kernels import run_case
+
+bwd_module = sys.modules["shardnorm.kernels.norm_bwd"]
+CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not CUDA, reason="Gluon kernels do not run under the interpreter")
+S = config.StagedBwdConfig
+GPU_CONFIGS = {"w16": S(16), "w32": S(32)}  # the candidates benchmarks/gpu_longrow.py times
+
+
+@pytest.fixture
+def force(monkeypatch):
+    def use(cfg):
+        monkeypatch.setattr(config, "bwd_config", lambda *_: cfg)
+        bwd_module._plan.cache_clear()
+    yield use
+    bwd_module._plan.cache_clear()
+
+
+def _plan(n, rms, weight_dtype=torch.bfloat16, has_bias=True):
+    device = backend_device("triton")
+    return bwd_module._plan(n, weight_dtype, has_bias and not rms, False, rms, False, device, False,
+                            config.coop_mode(device))
+
+
+def test_selection(monkeypatch):
+    """SHARDNORM_LONG_BWD=staged picks the staged config for long rows only, the table where measured; a
+    device that cannot run it (CPU: the interpreter) never gets it, whatever the config says."""
+    assert config.bwd_config(16384, 2, 2, False, False, "staged") == config.STAGED_BWD_DEFAULT
+    assert config.bwd_config(14336, 2, 2, False, False, "table") == config.STAGED_BWD_DEFAULT
+    assert config.bwd_config(32768, 1, 2, True, False, "table") == config.STAGED_BWD_DEFAULT
+    assert config.bwd_config(32768, 2, 2, False, False, "table") == config.COOP_BWD[32768, 2, False]
+    assert config.without_staged("table") == config.without_staged("staged") == "coop-table"
+    assert config.bwd_config(4096, 2, 2, False, False, "staged") == config.bwd_config(4096, 2, 2, False, False, "")
+    assert not config.staged(torch.device("cpu"))
+    monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
+    assert config.coop_mode(torch.device("cpu")) == ""
+    if not CUDA:
+        monkeypatch.setattr(config, "bwd_config", lambda *_: config.STAGED_BWD_DEFAULT)
+        bwd_module._plan.cache_clear()
+        try:
+            assert isinstance(_plan(16384, False).cfg, config.SplitBwdConfig)
+        finally:
+            bwd_module._plan.cache_clear()
+
+
+@needs_gpu
+@pytest.mark.parametrize("n,rms", [(14336, False), (16384, False), (32768, True), (20000, False)])
+def test_table_entries(monkeypatch, n, rms):
+    """As users get it (not forced): the measured rows take the staged backward, against float64."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    monkeypatch.delenv("SHARDNORM_LONG_BWD", raising=False)
+    bwd_module._plan.cache_clear()
+    assert isinstance(_plan(n, rms).cfg, S) == (n != 20000)  # 20000 is a 32768-column row: cooperative
+    run_case(backend_device("triton"), n, rms, torch.bfloat16, rows=301, weight_dtype=torch.bfloat16)
+    bwd_module._plan.cache_clear()
+
+
+@needs_gpu
+def test_rows_that_do_not_fit_take_the_split_backward(monkeypatch):
+    """Shared memory and registers decide: LayerNorm rows fit to 16384 columns (two fp32 sums per column in
+    registers), RMSNorm rows to 32768; a norm without parameters is not staged."""
+    monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
+    bwd_module._plan.cache_clear()
+    try:
+        assert isinstance(_plan(16384, False).cfg, S)
+        assert isinstance(_plan(32768, True).cfg, S)
+        assert not isinstance(_plan(32768, False).cfg, S)
+        assert not isinstance(_plan(65536, True).cfg, S)
+        assert not isinstance(_plan(20000, False, None, False).cfg, S)
+        assert not isinstance(_plan(16384 - 8, False).cfg, S)  # N not a multiple of 16
+    finally:
+        bwd_module._plan.cache_clear()
+
+
+CASES = {"bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
+         "fp32_weight": dict(dtype=torch.bfloat16),
+         "residual_zero_centered": dict(dtype=torch.bfloat16, residual_dtype=torch.bfloat16, zero_centered=True),
+         "fp16_no_bias": dict(dtype=torch.float16, weight_dtype=torch.float16, bias=False),
+         "fp32_rows": dict(dtype=torch.float32),  # 4-byte rows: the plan hands them to the split backward
+         "misaligned": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16, offset=1)}  # ditto: x not 16-byte aligned
+
+
+@needs_gpu
+@pytest.mark.parametrize("n", [9000, 14336, 16384 - 5, 20000, 32768])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rows", [1, 301])
+def test_matches_float64(monkeypatch, n, rms, case, rows):
+    """SHARDNORM_LONG_BWD=staged: fewer rows than programs (1) and several rows per program (301, no
+    multiple of the SM count), partial last chunks (14336, 20000); N that is no multiple of 16 (9000,
+    16379) and the cases the plan hands on go through the other backwards."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
+    bwd_module._plan.cache_clear()
+    kw = dict(CASES[case])
+    run_case(backend_device("triton"), n, rms, kw.pop("dtype"), rows=rows, **kw)
+    bwd_module._plan.cache_clear()
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_candidates(monkeypatch, force, name, rms):
+    """Every candidate the benchmark times, at a long row with a partial chunk and many rows per program."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    force(GPU_CONFIGS[name])
+    assert isinstance(_plan(15008, rms).cfg, S)
+    run_case(backend_device("triton"), 15008, rms, torch.bfloat16, rows=1000, weight_dtype=torch.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_bitwise_deterministic(monkeypatch, rms):
+    monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
+    bwd_module._plan.cache_clear()
+    n = 20480 if rms else 16384  # long rows for each (RMSNorm's one pass goes to 16384)
+    x = torch.randn(2048, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = None if rms else torch.randn_like(w)
+    _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-5, rms, False)
+    dy = torch.randn_like(x)
+    run = lambda: bwd_module.norm_bwd(dy, None, x, w, mean, rstd, b is not None, rms, False)  # noqa: E731
+    assert isinstance(_plan(n, rms).cfg, S)
+    for a, c in zip(run(), run()):
+        assert a is None or torch.equal(a, c)
+    bwd_module._plan.cache_clear()
