@@ -10,6 +10,13 @@ JITFunction.run does after its own lookup. A key Triton has not seen goes throug
 (which compiles or finds the kernel) and is remembered. The key is at least as fine as Triton's, so a
 cached kernel is never reused where Triton would have specialized differently. The interpreter
 (TRITON_INTERPRET=1) always takes the plain path.
+
+A cached launch passes tensors as their addresses (INT_POINTERS): given a tensor, Triton's C launcher
+calls its `data_ptr()` and then the driver (`cuPointerGetAttribute`) per pointer, which is also its only
+check that the memory is on a GPU. So every tensor must reach a Launcher on the launch device already:
+`functional._check` checks the forward's (weight, bias, residual against x), the autograd engine a
+backward's incoming grads (dy, dz against the forward's outputs), and the custom ops their arguments
+(`ops._check_devices`).
 """
 
 import operator
@@ -18,6 +25,9 @@ from torch import Tensor
 from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
+
+# Cached launches pass tensors as ints (data_ptr()); False passes the tensors, for an A/B of host time.
+INT_POINTERS = True
 
 
 def _spec(arg):
@@ -77,13 +87,16 @@ class Launcher:
             return
         stream = active.get_current_stream(device)
         grid3 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
-        args = (*args, *self.trailing)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if _installed(enter) or _installed(leave):  # e.g. a profiler's: what JITFunction.run passes them
+            args = (*args, *self.trailing)  # tensors: launch_metadata may read them
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata(grid3, stream, *args), enter, leave, *args)
         else:  # building launch metadata nobody reads costs as much as the launch
-            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+            if INT_POINTERS:
+                args = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
+            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+                         *self.trailing)
 
 
 def _installed(hook) -> bool:
