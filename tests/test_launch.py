@@ -28,7 +28,9 @@ def test_int_key_has_one_divisibility_and_width():
 def test_inlined_key_is_the_specs():
     """The launch key (`_key`, inlined for host time) is the device and each argument's `_spec`."""
     base = torch.randn(64, dtype=torch.bfloat16)
-    args = (base, base[1:], base[8:].float(), None, 1, 17, 48, -16, 2**31, 2**63, True, False, 0.5, 0)
+    sub = type("Sub", (torch.Tensor,), {})
+    args = (base, base[1:], base[8:].float(), None, 1, 17, 48, -16, 2**31, 2**63, True, False, 0.5, 0,
+            torch.nn.Parameter(base[1:]), base[1:].as_subclass(sub))  # exact types take a fast path, others _spec
     assert _key(3, args) == (3, *map(_spec, args))
     assert len(set(_key(0, (a,)) for a in (base, base[1:], 1, 17, 16, 2**31, None, 0.5))) == 8
 
