@@ -25,7 +25,7 @@ timeout 150 $PY -m pytest -q -x tests/test_cuda_graphs.py -p no:cacheprovider > 
 echo "rc=$?" >> "$OUT/test_cuda_graphs.txt"; tail -5 "$OUT/test_cuda_graphs.txt"
 
 step "host_time"
-timeout 170 $PY benchmarks/host_time.py --out "$OUT" > "$OUT/host_time.log" 2>&1
+timeout 170 $PY benchmarks/host_time.py --pointers-ab --out "$OUT" > "$OUT/host_time.log" 2>&1
 echo "rc=$?" >> "$OUT/host_time.log"; tail -45 "$OUT/host_time.log"
 
 step "test_modules test_errors test_launch"

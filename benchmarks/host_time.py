@@ -4,6 +4,7 @@
     python benchmarks/host_time.py --cpu-stub               # no GPU: shardnorm's Python only
     python benchmarks/host_time.py --dry-run                # a few calls of everything (smoke test;
                                                             # without CUDA: --cpu-stub's)
+    python benchmarks/host_time.py --pointers-ab            # + a row with launch.INT_POINTERS = False
 
 Host time of one call: time.perf_counter around N calls queued back to back (no sync inside the
 timed loop, one before and after), the median of several rounds, the best of 3 such medians. Rows:
@@ -84,10 +85,11 @@ class Case:
                     bwd=host_us(lambda: y.backward(dy, retain_graph=True), self.clear))
 
 
-def providers(case):
-    """(name, forward) of every provider that runs here."""
+def providers(case, pointers_ab=False):
+    """(name, forward) of every provider that runs here; `pointers_ab`: shardnorm again with tensors
+    passed to Triton's launcher instead of their addresses (`measure` flips `launch.INT_POINTERS`)."""
     n, w, b = case.n, case.w, case.b
-    out = [("shardnorm", case.mod)]
+    out = [("shardnorm", case.mod)] + [(TENSOR_POINTERS, case.mod)] * pointers_ab
     if case.device.type != "cuda":
         return out
     native = (lambda x: F.rms_norm(x, (n,), w, 1e-6)) if case.rms else (lambda x: F.layer_norm(x, (n,), w, b))
@@ -165,17 +167,24 @@ def captured(case, compile_too=True):
     return out
 
 
-def measure(shapes, device):
+TENSOR_POINTERS = "shardnorm_tensor_pointers"
+
+
+def measure(shapes, device, pointers_ab=False):
+    from shardnorm.kernels import launch
+
     rows = []
     for i, (m, n) in enumerate(shapes):
         for rms in (True, False):
             case = Case(m, n, rms, device)
             row = dict(M=m, N=n, norm="rms" if rms else "layer")
-            for name, fwd in providers(case):
+            for name, fwd in providers(case, pointers_ab):
+                launch.INT_POINTERS = name != TENSOR_POINTERS
                 try:
                     row[name] = case.fwd_bwd(fwd)
                 except Exception:
                     row[name] = dict(error=traceback.format_exc(limit=3))
+            launch.INT_POINTERS = True
             parts = [("pieces", pieces)]
             if device.type == "cuda":  # compile reduce-overhead at the first shape only (seconds each)
                 parts.append(("captured", lambda c: captured(c, compile_too=i == 0)))
@@ -193,7 +202,7 @@ def markdown(rows) -> str:
     lines = ["| norm | M x N | provider | fwd us | fwd+bwd us | bwd us |", "|---|---|---|---|---|---|"]
     fmt = lambda d, k: f"{d[k]:.1f}" if k in d else "error" if "error" in d else "-"  # noqa: E731
     for r in rows:
-        for name in ("shardnorm", "torch", "liger"):
+        for name in ("shardnorm", TENSOR_POINTERS, "torch", "liger"):
             if name in r:
                 d = r[name]
                 lines.append(f"| {r['norm']} | {r['M']}x{r['N']} | {name} | {fmt(d, 'fwd')} | {fmt(d, 'fwd_bwd')} | "
@@ -250,6 +259,8 @@ def main():
     parser.add_argument("--cpu-stub", action="store_true", help="no GPU: shardnorm's layers with no-op launches")
     parser.add_argument("--dry-run", action="store_true", help="a few calls of everything")
     parser.add_argument("--shapes", nargs="*", help="MxN (default 8x4096 8x1024 4096x128)")
+    parser.add_argument("--pointers-ab", action="store_true",
+                        help="also shardnorm with tensors, not addresses, passed to Triton's launcher (a row of its own)")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
     if args.dry_run:
@@ -264,7 +275,7 @@ def main():
         return
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (launches stubbed)"
                   if args.cpu_stub else "cpu", torch=torch.__version__, rounds=ROUNDS, calls=CALLS,
-                  rows=measure(shapes, device))
+                  rows=measure(shapes, device, args.pointers_ab))
     table = markdown(result["rows"])
     print(table)
     if args.out:

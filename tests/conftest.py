@@ -31,6 +31,22 @@ def device(backend):
     return backend_device(backend)
 
 
+@pytest.fixture(params=["direct", "partial"])
+def grads_path(request, monkeypatch):
+    """The one-pass backward's two ways to dgamma/dbeta of a small input: one program stores them
+    (`config.direct_grads`), or partial rows and the column sum (its size limit set to 0)."""
+    import importlib
+
+    from shardnorm.kernels import config
+
+    norm_bwd = importlib.import_module("shardnorm.kernels.norm_bwd")  # the module, not its function
+    if request.param == "partial":
+        monkeypatch.setattr(config, "DIRECT_GRADS_MAX_ELEMENTS", 0)
+    norm_bwd._plan.cache_clear()  # plans remember each M's choice
+    yield request.param
+    norm_bwd._plan.cache_clear()
+
+
 def reference_norm(x, weight, bias, residual, eps, rms, zero_centered=False):
     """float64 norm of x (or of x + residual, added in torch's promoted dtype first, as the op does)."""
     src = (x + residual) if residual is not None else x

@@ -180,9 +180,10 @@ def test_grad_sum_summed_inside_the_backward(backend, device, dtype, rms):
 @pytest.mark.parametrize("n", [80, 1000, 20000])  # 20000: the long-row kernels, which add the terms first
 @pytest.mark.parametrize("terms", [2, 3])
 @pytest.mark.parametrize("rms", [True, False])
-def test_norm_bwd_op_with_grad_terms(backend, device, n, terms, rms):
+def test_norm_bwd_op_with_grad_terms(backend, device, grads_path, n, terms, rms):
     """`shardnorm::norm_bwd(dy, ..., dy2, dy3)` is the backward of the grad dy + dy2 (+ dy3), against float64,
-    with a weight (and LayerNorm's bias), bf16 rows and fp32 parameters."""
+    with a weight (and LayerNorm's bias), bf16 rows and fp32 parameters; short rows both ways to dgamma/dbeta
+    (`grads_path`)."""
     gen = torch.Generator().manual_seed(n + terms)
     x = torch.randn(6, n, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(n, generator=gen).to(device)

@@ -30,16 +30,17 @@ def _seeded():
     return seed
 
 
-def run_case(device, n, rms, dtype, *, rows=6, weight_dtype=torch.float32, bias=True, affine=True,
+def run_case(device, n, rms, dtype, *, rows=6, weight_dtype=torch.float32, bias=True, affine=True, weight=True,
              residual_dtype=None, zero_centered=False, eps=1e-5, lead_shape=None, offset=0):
     """Run one case through the public functional API and compare every output and grad.
-    offset: x starts that many elements into its buffer (1: not 16-byte aligned)."""
+    offset: x starts that many elements into its buffer (1: not 16-byte aligned); weight=False: a bias
+    without a weight (LayerNorm)."""
     seed = _seeded()
     shape = (*(lead_shape or (rows,)), n)
     leaf = lambda t: t.to(device).requires_grad_()  # noqa: E731
     x_buffer = (torch.randn(math.prod(shape) + offset) * 2 + 0.5).to(dtype).to(device)
     x = x_buffer[offset:].view(shape).requires_grad_()
-    weight = leaf(torch.randn(n).to(weight_dtype)) if affine else None
+    weight = leaf(torch.randn(n).to(weight_dtype)) if affine and weight else None
     b = leaf(torch.randn(n).to(weight_dtype)) if affine and bias and not rms else None
     res = leaf(torch.randn(shape).to(residual_dtype)) if residual_dtype else None
     kw = dict(zero_centered_gamma=zero_centered)
@@ -232,6 +233,36 @@ def test_cluster_configs():
         assert isinstance(config.bwd_config(n, 1, param_size, True, False), config.SplitBwdConfig)
     assert config.use_clusters(torch.device("cpu"), rms=True)
     assert not config.use_clusters(torch.device("cpu"), rms=False)
+
+
+SMALL_GRAD_CASES = {
+    "fp32": dict(dtype=torch.float32),
+    "bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
+    "fp16_no_bias": dict(dtype=torch.float16, bias=False),
+    "bias_only": dict(dtype=torch.bfloat16, weight=False),
+    "residual_zero_centered": dict(dtype=torch.bfloat16, residual_dtype=torch.bfloat16, zero_centered=True),
+}
+
+
+@pytest.mark.parametrize("case", SMALL_GRAD_CASES)
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n", [7, 1000, 4096, 4097, 5120])
+def test_small_backward_grads(monkeypatch, grads_path, case, rms, n):
+    """dgamma/dbeta at 8 x 4096 elements or fewer (the host-bound sizes of issue 22), both ways: one
+    program storing them (`config.direct_grads`) and partial rows with the column sum; several row
+    blocks per program where the tile allows."""
+    kw = dict(SMALL_GRAD_CASES[case])
+    if rms and not kw.get("weight", True):
+        pytest.skip("RMSNorm has no bias")
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    device = backend_device("triton")
+    rows = min(8, 8 * 4096 // n)
+    has_bias = not rms and kw.get("bias", True)
+    num_grads = kw.get("weight", True) + has_bias
+    param_size = kw.get("weight_dtype", torch.float32).itemsize
+    cfg = config.bwd_config(n, num_grads, param_size, rms, config.use_clusters(device, rms))
+    assert config.direct_grads(cfg, rows, n) == (grads_path == "direct")
+    run_case(device, n, rms, kw.pop("dtype"), rows=rows, **kw)
 
 
 def test_zero_rows(backend, device):

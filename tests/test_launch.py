@@ -28,7 +28,9 @@ def test_int_key_has_one_divisibility_and_width():
 def test_inlined_key_is_the_specs():
     """The launch key (`_key`, inlined for host time) is the device and each argument's `_spec`."""
     base = torch.randn(64, dtype=torch.bfloat16)
-    args = (base, base[1:], base[8:].float(), None, 1, 17, 48, -16, 2**31, 2**63, True, False, 0.5, 0)
+    sub = type("Sub", (torch.Tensor,), {})
+    args = (base, base[1:], base[8:].float(), None, 1, 17, 48, -16, 2**31, 2**63, True, False, 0.5, 0,
+            torch.nn.Parameter(base[1:]), base[1:].as_subclass(sub))  # exact types take a fast path, others _spec
     assert _key(3, args) == (3, *map(_spec, args))
     assert len(set(_key(0, (a,)) for a in (base, base[1:], 1, 17, 16, 2**31, None, 0.5))) == 8
 
@@ -95,13 +97,24 @@ def test_derived_arguments_are_left_out_of_the_key(monkeypatch):
         def run(*args):
             runs.append(args[-4:])
 
+        @staticmethod
+        def launch_metadata(*args):
+            return None
+
     monkeypatch.setattr(JITFunction, "__getitem__", lambda self, grid: lambda *a, **k: misses.append(a) or Compiled)
     x = torch.randn(40, dtype=torch.bfloat16)
     launcher((1,), x, torch.empty(8), 8)  # miss: compiles (here: records) and remembers
     assert len(misses) == 1 and list(launcher.compiled) == [_key(0, (x, 8))]
     y = torch.empty(9)[1:]  # misaligned, a derived position: same key, launched with it
     launcher((1,), x, y, 8)
-    assert len(misses) == 1 and runs[-1][0] is x and runs[-1][1] is y and runs[-1][2:] == (8, 16)
+    assert len(misses) == 1 and runs[-1] == (x.data_ptr(), y.data_ptr(), 8, 16)  # tensors as addresses
+    monkeypatch.setattr(launch, "INT_POINTERS", False)
+    launcher((1,), x, y, 8)
+    assert runs[-1][0] is x and runs[-1][1] is y and runs[-1][2:] == (8, 16)
+    monkeypatch.setattr(launch, "INT_POINTERS", True)
+    monkeypatch.setattr(launch, "_installed", lambda hook: True)  # a profiler's hook: it gets the tensors
+    launcher((1,), x, y, 8)
+    assert runs[-1][0] is x and runs[-1][1] is y
     launcher((1,), x[1:], y, 8)  # a keyed tensor misaligned: a new key
     launcher((1,), x, y, 16)  # a keyed int now divisible by 16: a new key
     assert len(misses) == 3

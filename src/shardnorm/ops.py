@@ -72,9 +72,20 @@ def _present(outputs: tuple, like: Tensor) -> tuple:
     return tuple(like.new_empty(0) if t is None else t for t in outputs)
 
 
+def _check_devices(op: str, anchor: str, like: Tensor, **tensors: Optional[Tensor]) -> None:
+    """Every tensor of a custom-op call on `like`'s device: the kernels get raw addresses (kernels/launch.py)
+    and would read another device's (or host) memory as their own. The eager path's tensors are checked by
+    `functional._check` and, in a backward, by the autograd engine; the ops may be called with anything."""
+    device = like.device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"shardnorm::{op}: {name} is on {t.device} but {anchor} is on {device}")
+
+
 @torch.library.custom_op("shardnorm::norm_fwd", mutates_args=())
 def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
              eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_devices("norm_fwd", "x", x, weight=weight, bias=bias, residual=residual)
     return _present(_backend(x).norm_fwd(x, weight, bias, residual, eps, rms, zero_centered), x)
 
 
@@ -105,6 +116,7 @@ def norm_bwd(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Ten
     for name, term in zip(("dy2", "dy3"), (dy2, dy3)):
         if term is not None and term.shape != dy.shape:
             raise ValueError(f"shardnorm::norm_bwd: {name} has shape {tuple(term.shape)}, dy {tuple(dy.shape)}")
+    _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd, dy2=dy2, dy3=dy3)
     return _present(_norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy_terms), rstd)
 
 

@@ -303,6 +303,19 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
     return cfg.programs(cdiv(m, cfg.block_m), sm_count)
 
 
+# One-pass backwards of at most this many elements (M * N) take every row in one program, which
+# stores dgamma/dbeta itself: no fp32 partial buffer and no column-sum launch, i.e. an allocation and
+# a launch less of host time, the whole cost at such sizes (issue 22; NOTES.md v14). One program
+# walking 8 x 4096 bf16 (128 KB of x and dy) is a few us of GPU time.
+DIRECT_GRADS_MAX_ELEMENTS = 32768
+
+
+def direct_grads(cfg: BwdConfig, m: int, n: int) -> bool:
+    """Whether the backward of M x N under `cfg` runs as one program that writes dgamma/dbeta
+    directly: one-pass tiles (not a thread-block cluster) and at most DIRECT_GRADS_MAX_ELEMENTS."""
+    return isinstance(cfg, TileConfig) and cfg.num_ctas == 1 and m * n <= DIRECT_GRADS_MAX_ELEMENTS
+
+
 @functools.lru_cache(maxsize=None)
 def column_sum_block(k: int, sms: int) -> int:
     """Column tile of the dgamma/dbeta reduction over a [P, k] buffer: narrow for narrow buffers,

@@ -10,14 +10,25 @@ JITFunction.run does after its own lookup. A key Triton has not seen goes throug
 (which compiles or finds the kernel) and is remembered. The key is at least as fine as Triton's, so a
 cached kernel is never reused where Triton would have specialized differently. The interpreter
 (TRITON_INTERPRET=1) always takes the plain path.
+
+A cached launch passes tensors as their addresses (INT_POINTERS): given a tensor, Triton's C launcher
+calls its `data_ptr()` and then the driver (`cuPointerGetAttribute`) per pointer, which is also its only
+check that the memory is on a GPU. So every tensor must reach a Launcher on the launch device already:
+`functional._check` checks the forward's (weight, bias, residual against x), the autograd engine a
+backward's incoming grads (dy, dz against the forward's outputs), and the custom ops their arguments
+(`ops._check_devices`).
 """
 
 import operator
 
 from torch import Tensor
+from torch.nn import Parameter
 from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
+
+# Cached launches pass tensors as ints (data_ptr()); False passes the tensors, for an A/B of host time.
+INT_POINTERS = True
 
 
 def _spec(arg):
@@ -29,12 +40,17 @@ def _spec(arg):
     return type(arg)  # None (a constexpr to Triton) or a float (always fp32)
 
 
+# Exact types of the arguments passed on the fast paths below (`type(a) in` is ~2x cheaper than isinstance);
+# subclasses (and bools) take `_spec` in the key, and stay tensors in a launch.
+_TENSORS = frozenset((Tensor, Parameter))
+
+
 def _key(device, args) -> tuple:
     """(device, *map(_spec, args)) without a Python call per argument: ~13 arguments per launch made
     the key most of a cached launch's host time."""
-    return (device, *[(a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor) else
-                      (a == 1, not a & 15, -2**31 <= a < 2**31, a < 2**63) if isinstance(a, int) else type(a)
-                      for a in args])
+    return (device, *[(a.dtype, not a.data_ptr() & 15) if type(a) in _TENSORS else
+                      (a == 1, not a & 15, -2**31 <= a < 2**31, a < 2**63) if type(a) is int else
+                      type(a) if a is None or type(a) is float else _spec(a) for a in args])
 
 
 class Launcher:
@@ -77,13 +93,16 @@ class Launcher:
             return
         stream = active.get_current_stream(device)
         grid3 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
-        args = (*args, *self.trailing)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if _installed(enter) or _installed(leave):  # e.g. a profiler's: what JITFunction.run passes them
+            args = (*args, *self.trailing)  # tensors: launch_metadata may read them
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata(grid3, stream, *args), enter, leave, *args)
         else:  # building launch metadata nobody reads costs as much as the launch
-            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+            if INT_POINTERS:
+                args = [a.data_ptr() if type(a) in _TENSORS else a for a in args]
+            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+                         *self.trailing)
 
 
 def _installed(hook) -> bool:

@@ -9,7 +9,8 @@ backward instead (`norm_bwd_coop.py`): column slices of a row exchange their row
 global memory, so x and dy are read once.
 
 Either way each program (row group) owns one row of a [P, G*N] fp32 partial buffer and writes it
-even when it got no rows; `column_sum_kernel` reduces that buffer over P in a fixed order.
+even when it got no rows; `column_sum_kernel` reduces that buffer over P in a fixed order. Tiny inputs
+(`config.direct_grads`) skip both: one one-pass program takes every row and stores dgamma/dbeta itself.
 Deterministic (bitwise repeatable): no atomic adds into results (the cooperative backward's atomics
 only count who has published; the sums are added in a fixed order).
 """
@@ -30,15 +31,16 @@ from .norm_bwd_coop import RING, coop_bwd_kernel, workspace
 
 
 @triton.jit(do_not_specialize=["M"])
-def norm_bwd_kernel(SRC, DY, DY2, DY3, DZ, W, MEAN, RSTD, DX, PARTIAL,
+def norm_bwd_kernel(SRC, DY, DY2, DY3, DZ, W, MEAN, RSTD, DX, DW_OUT, DB_OUT,
                     stride_src, stride_dy, stride_dz, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr, DY_TERMS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    HOIST_PARAMS: tl.constexpr):
+                    HOIST_PARAMS: tl.constexpr, DIRECT_GRADS: tl.constexpr):
     """One pass: whole rows in registers (the tile `cols` and, with TAIL_N, the narrower tile after
     it), dgamma/dbeta accumulated across row blocks. dy is the sum of DY_TERMS tensors (DY, DY2, DY3,
-    one stride), added in fp32 here rather than by an add kernel that writes the sum and reads it back."""
+    one stride), added in fp32 here rather than by an add kernel that writes the sum and reads it back.
+    DW_OUT and DB_OUT: the partial buffer (both), or with DIRECT_GRADS (one program) dgamma and dbeta."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -68,9 +70,25 @@ def norm_bwd_kernel(SRC, DY, DY2, DY3, DZ, W, MEAN, RSTD, DX, PARTIAL,
             _store_dx(tail_xhat, tail_wdy, rstd, c1, c2, DX, DZ, rows64, tail_cols, tail_tile_mask, N, stride_dz,
                       IS_RMS, HAS_DZ)
             tail_dw, tail_db = _accumulate(tail_dw, tail_db, tail_dy, tail_xhat, HAS_WEIGHT, HAS_BIAS)
-    _store_partials(dw_acc, db_acc, PARTIAL, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
+    _store_grads(dw_acc, db_acc, DW_OUT, DB_OUT, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS, DIRECT_GRADS)
     if TAIL_N > 0:
-        _store_partials(tail_dw, tail_db, PARTIAL, pid, tail_cols, tail_mask, N, HAS_WEIGHT, HAS_BIAS)
+        _store_grads(tail_dw, tail_db, DW_OUT, DB_OUT, pid, tail_cols, tail_mask, N, HAS_WEIGHT, HAS_BIAS,
+                     DIRECT_GRADS)
+
+
+@triton.jit
+def _store_grads(dw_acc, db_acc, DW_OUT, DB_OUT, pid, cols, col_mask, N, HAS_WEIGHT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr):
+    """Program `pid`'s dgamma/dbeta sums of columns `cols`: its row of the partial buffer DW_OUT, or
+    (DIRECT, the only program) dgamma and dbeta themselves, rounded once from fp32 to their dtype as
+    `column_sum_kernel` does."""
+    if DIRECT:
+        if HAS_WEIGHT:
+            tl.store(DW_OUT + cols, tl.sum(dw_acc, axis=0).to(DW_OUT.dtype.element_ty), mask=col_mask)
+        if HAS_BIAS:
+            tl.store(DB_OUT + cols, tl.sum(db_acc, axis=0).to(DB_OUT.dtype.element_ty), mask=col_mask)
+    else:
+        _store_partials(dw_acc, db_acc, DW_OUT, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
@@ -231,13 +249,14 @@ class _BwdPlan:
         else:
             cfg = self.cfg
             unused_dy = (2, 3)[dy_terms - 1:]  # absent terms are dy again: keyed by dy already
-            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, derived=(*unused_dy, 8, 9),
-                                  HAS_BIAS=has_bias, HAS_DZ=has_dz, DY_TERMS=dy_terms, BLOCK_M=cfg.block_m,
-                                  BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
-                                  HOIST_PARAMS=cfg.hoist_params, **flags)
+            fused = dict(derived=(*unused_dy, 8, 9, 10), HAS_BIAS=has_bias, HAS_DZ=has_dz, DY_TERMS=dy_terms,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
+                         HOIST_PARAMS=cfg.hoist_params, **flags)
+            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, DIRECT_GRADS=False, **fused)
+            self.direct = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, DIRECT_GRADS=True, **fused)
         self.split = isinstance(self.cfg, config.SplitBwdConfig)
         self.one_pass = isinstance(self.cfg, config.TileConfig)
-        self.grids = {}  # M -> (partial rows, dx tiles), host time per call (bounded: MAX_CACHED_M)
+        self.grids = {}  # M -> _grid(M), host time per call (bounded: MAX_CACHED_M)
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
         self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
@@ -256,9 +275,13 @@ class _BwdPlan:
     # left out of the launch keys; their dtypes are fixed by src and the plan.
 
     def _grid(self, M):
+        """(programs, dx tiles, direct) for M rows; direct: one program writes dgamma/dbeta itself
+        (`config.direct_grads`), no partial buffer and no column sum."""
         N = self.n
+        if self.one_pass and self.num_grads and config.direct_grads(self.cfg, M, N):
+            return 1, 0, True
         dx_tiles = config.cdiv(M, self.cfg.dx.block_m) * config.cdiv(N, self.cfg.dx.block_n) if self.split else 0
-        return config.partial_rows(self.cfg, M, N, self.sms), dx_tiles
+        return config.partial_rows(self.cfg, M, N, self.sms), dx_tiles, False
 
     def __call__(self, dy, dz, src, weight, mean, rstd, dy_terms=()):
         M, N = src.shape
@@ -269,8 +292,12 @@ class _BwdPlan:
         device = src.device
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
         num_grads = self.num_grads
-        partial_rows, dx_tiles = config.per_m(self.grids, M, self._grid)
-        partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) if num_grads else None
+        partial_rows, dx_tiles, direct = config.per_m(self.grids, M, self._grid)
+        # dgamma, dbeta: separate tensors (custom-op outputs may not alias)
+        dweight = torch.empty(N, dtype=self.grad_dtype, device=device) if weight is not None else None
+        dbias = torch.empty(N, dtype=self.grad_dtype, device=device) if self.has_bias else None
+        partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) \
+            if num_grads and not direct else None
         dz_stride = dz.stride()[0] if dz is not None else 0
         if isinstance(self.cfg, config.StagedBwdConfig):
             self.staged((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride()[0], dy.stride()[0],
@@ -292,14 +319,12 @@ class _BwdPlan:
         elif M or num_grads:
             dy2 = dy_terms[0] if dy_terms else dy
             dy3 = dy_terms[1] if len(dy_terms) > 1 else dy
-            self.fused((partial_rows,), src, dy, dy2, dy3, dz, weight, mean, rstd, dx, partial, src.stride()[0],
-                       dy.stride()[0], dz_stride, M, N)
-        if not num_grads:
-            return dx, None, None
-        # dgamma, dbeta: separate tensors (custom-op outputs may not alias); with no weight the
-        # partial columns hold dbeta only, so OUT_W gets them.
-        dweight = torch.empty(N, dtype=self.grad_dtype, device=device) if weight is not None else None
-        dbias = torch.empty(N, dtype=self.grad_dtype, device=device) if self.has_bias else None
+            launch, grads = (self.direct, (dweight, dbias)) if direct else (self.fused, (partial, partial))
+            launch((partial_rows,), src, dy, dy2, dy3, dz, weight, mean, rstd, dx, *grads, src.stride()[0],
+                   dy.stride()[0], dz_stride, M, N)
+        if not num_grads or direct:
+            return dx, dweight, dbias
+        # with no weight the partial columns hold dbeta only, so OUT_W gets them
         out_w = dweight if weight is not None else dbias
         self.column_sum((self.column_programs,), partial, out_w, out_w if dbias is None else dbias, partial_rows, N,
                         num_grads * N)
