@@ -31,6 +31,13 @@ case "${1:-staged}" in
     box longrow_bf16 540 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \
         --out "$OUT/longrow_bf16.json" ;;
   host)
-    box host_time 300 python3 benchmarks/host_time.py --out "$OUT" ;;
+    box gpu_tests_host 260 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_launch.py \
+        tests/test_cuda_graphs.py -rs
+    # before (session 11's package, bench_old/src: `git archive 35e85cd src`) and after, alternating
+    for i in 1 2; do
+      PYTHONPATH="$ROOT/bench_old/src:$ROOT/tests:$ROOT" box "host_before_$i" 120 python3 benchmarks/host_time.py \
+          --shapes 8x4096 8x1024 --out "$OUT/before_$i"
+      box "host_after_$i" 150 python3 benchmarks/host_time.py --shapes 8x4096 8x1024 --pointers-ab --out "$OUT/after_$i"
+    done ;;
 esac
 echo "== [$((SECONDS - t0)) s] done"
