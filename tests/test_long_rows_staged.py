@@ -12,21 +12,13 @@ import torch
 from conftest import backend_device
 from shardnorm.kernels import config, norm_fwd
 from test_kernels import run_case
+from test_long_rows_coop import force  # noqa: F401 (the fixture: every backward takes a given config)
 
 bwd_module = sys.modules["shardnorm.kernels.norm_bwd"]
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="Gluon kernels do not run under the interpreter")
 S = config.StagedBwdConfig
 GPU_CONFIGS = {"w16": S(16), "w32": S(32)}  # the candidates benchmarks/gpu_longrow.py times
-
-
-@pytest.fixture
-def force(monkeypatch):
-    def use(cfg):
-        monkeypatch.setattr(config, "bwd_config", lambda *_: cfg)
-        bwd_module._plan.cache_clear()
-    yield use
-    bwd_module._plan.cache_clear()
 
 
 def _plan(n, rms, weight_dtype=torch.bfloat16, has_bias=True):
