@@ -49,10 +49,10 @@ def candidates() -> dict:
         "coop_16384x1_w16": coop(16384, 1, 16),
         "coop_8192x2_w32": coop(8192, 2, 32),
         # session 12: the row staged in shared memory (Gluon), where it fits (LayerNorm to 16384 columns)
-        "staged_w16": config.StagedBwdConfig(16),
-        "staged_w32": config.StagedBwdConfig(32),
-        "staged_w16_v16": config.StagedBwdConfig(16, vec=16),
-        "staged_w8_v32": config.StagedBwdConfig(8, vec=32),
+        "staged_w16": config.StagedConfig(16),
+        "staged_w32": config.StagedConfig(32),
+        "staged_w16_v16": config.StagedConfig(16, vec=16),
+        "staged_w8_v32": config.StagedConfig(8, vec=32),
     }
 
 

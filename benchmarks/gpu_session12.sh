@@ -5,6 +5,8 @@
 #   tests    quack stage_a (call 1 of 2, carry .whl/quack_a), then the long-row GPU tests (staged, cooperative,
 #            the kernel tests' long rows)
 #   longrow  quack install (call 2, carry .whl/quack_b + Liger), bench_kernels' long rows, every peer with quack
+#   fwd      the staged forward: its GPU tests, then bench_kernels' long rows (peers but quack, which takes two
+#            calls to install; its numbers from `longrow`) and shardnorm alone with SHARDNORM_LONG_FWD=chunked
 #   host     host time per call (benchmarks/host_time.py), and the kernel tests of the changed launch path
 set -u
 OUT=${OUT:?set OUT}; mkdir -p "$OUT"
@@ -30,6 +32,16 @@ case "${1:-staged}" in
     source benchmarks/quack_env.sh install || exit 1
     box longrow_bf16 540 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \
         --out "$OUT/longrow_bf16.json" ;;
+  fwd)
+    box fwd_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py -k forward -rs
+    box longrow_fwd 300 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \
+        --providers shardnorm,torch,torch.compile --out "$OUT/longrow_fwd.json"
+    SHARDNORM_LONG_FWD=chunked box longrow_chunked 150 python3 benchmarks/bench_kernels.py --shapes longrow \
+        --weights bfloat16 --providers shardnorm --out "$OUT/longrow_chunked.json" ;;
+  fwd_ln)  # the LayerNorm forward with Welford moments: its tests and the benchmark rows
+    box fwd_ln_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py -k "forward and not rms"
+    box longrow_fwd_ln 150 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 --norms layer \
+        --providers shardnorm,torch.compile --out "$OUT/longrow_fwd_ln.json" ;;
   host)
     box gpu_tests_host 260 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_launch.py \
         tests/test_cuda_graphs.py -rs

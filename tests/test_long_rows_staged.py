@@ -17,7 +17,7 @@ from test_long_rows_coop import force  # noqa: F401 (the fixture: every backward
 bwd_module = sys.modules["shardnorm.kernels.norm_bwd"]
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="Gluon kernels do not run under the interpreter")
-S = config.StagedBwdConfig
+S = config.StagedConfig
 GPU_CONFIGS = {"w16": S(16), "w32": S(32)}  # the candidates benchmarks/gpu_longrow.py times
 
 
@@ -129,3 +129,62 @@ def test_bitwise_deterministic(monkeypatch, rms):
     for a, c in zip(run(), run()):
         assert a is None or torch.equal(a, c)
     bwd_module._plan.cache_clear()
+
+
+# ---- the staged forward (`kernels/norm_fwd_staged.py`) ----
+
+fwd_module = sys.modules["shardnorm.kernels.norm_fwd"]
+FWD_CASES = {"bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
+             "fp32_weight": dict(dtype=torch.bfloat16),
+             "zero_centered": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16, zero_centered=True),
+             "fp16_no_bias": dict(dtype=torch.float16, weight_dtype=torch.float16, bias=False),
+             "affine_off": dict(dtype=torch.bfloat16, affine=False),
+             # handed to the chunked forward: a residual, x not 16-byte aligned, 4-byte x
+             "residual": dict(dtype=torch.bfloat16, residual_dtype=torch.bfloat16),
+             "misaligned": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16, offset=1),
+             "fp32_rows": dict(dtype=torch.float32)}
+
+
+def test_forward_never_staged_on_cpu():
+    fwd_module._plan.cache_clear()
+    assert fwd_module._plan(65536, 2, True, True, False, False, False, torch.device("cpu"), False).staged is None
+    fwd_module._plan.cache_clear()
+
+
+@needs_gpu
+@pytest.mark.parametrize("n,rows", [(32768 + 16, 1), (40000, 301), (65536, 301), (65536 + 8, 3)])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("case", FWD_CASES)
+def test_forward_matches_float64(monkeypatch, n, rms, case, rows):
+    """Rows above 32768 columns (N % 16 == 0 staged, 65544 not), fewer rows than programs and several
+    rows per program; outputs and grads against float64."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    monkeypatch.delenv("SHARDNORM_LONG_FWD", raising=False)
+    fwd_module._plan.cache_clear()
+    kw = dict(FWD_CASES[case])
+    staged = fwd_module._plan(n, 2, True, not rms, False, rms, False, torch.device("cuda"), False).staged
+    assert (staged is not None) == (n % 16 == 0)
+    run_case(backend_device("triton"), n, rms, kw.pop("dtype"), rows=rows, **kw)
+    fwd_module._plan.cache_clear()
+
+
+@needs_gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_forward_chunked_switch_and_agreement(monkeypatch, rms):
+    """SHARDNORM_LONG_FWD=chunked keeps the `tl` forward; both give the same statistics to fp32 rounding."""
+    x = torch.randn(257, 65536, device="cuda", dtype=torch.bfloat16) * 3 + 1
+    w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
+    b = None if rms else torch.randn_like(w)
+    outs = {}
+    for mode in ("staged", "chunked"):
+        monkeypatch.setenv("SHARDNORM_LONG_FWD", mode)
+        fwd_module._plan.cache_clear()
+        assert (fwd_module._plan(65536, 2, True, b is not None, False, rms, False, x.device, False).staged is None) \
+            == (mode == "chunked")
+        outs[mode] = fwd_module.norm_fwd(x, w, b, None, 1e-5, rms, False)
+    fwd_module._plan.cache_clear()
+    (y1, _, m1, r1), (y2, _, m2, r2) = outs["staged"], outs["chunked"]
+    torch.testing.assert_close(r1, r2, rtol=1e-5, atol=0)
+    if not rms:
+        torch.testing.assert_close(m1, m2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y1.float(), y2.float(), rtol=1e-2, atol=1e-2)  # a bf16 rounding step apart at most

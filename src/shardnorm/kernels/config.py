@@ -113,14 +113,15 @@ class CoopBwdConfig:
 
 
 @dataclass(frozen=True)
-class StagedBwdConfig:
-    """The staged backward (`norm_bwd_staged.py`, Gluon): one persistent program per SM holds whole rows
-    in shared memory, copied in chunks of vec x 32 x num_warps elements (vec: elements per 16-byte copy)."""
+class StagedConfig:
+    """The staged kernels (`norm_bwd_staged.py`, `norm_fwd_staged.py`, Gluon): one persistent program per SM
+    holds whole rows in shared memory, copied in chunks of vec x 32 x num_warps elements (vec: elements per
+    16-byte copy)."""
     num_warps: int
     vec: int = 8
 
 
-BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig, StagedBwdConfig]
+BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig, StagedConfig]
 
 # Large-N paths, from the H100 sweeps (benchmarks/NOTES.md, v5, v7). fp32 weight and bias are read
 # again for every chunk; two rows per tile halve that (LayerNorm fp32 32768: 61% -> 75% of copy).
@@ -220,8 +221,18 @@ COOP_BWD_DEFAULT = _COOP_LN
 # aligned; the plan falls back to COOP_BWD / the split backward otherwise. H100, bf16, % of copy (GPU time,
 # results/h100-2026-11-25-s12): LayerNorm 14336 80% (cooperative 62%), 16384 90% (68%); RMSNorm 32768
 # 91% (78%). `SHARDNORM_LONG_BWD=staged` runs STAGED_BWD_DEFAULT for every long row it can take.
-STAGED_BWD_DEFAULT = StagedBwdConfig(num_warps=32)
+STAGED_BWD_DEFAULT = StagedConfig(num_warps=32)
 STAGED_BWD = {(16384, 2, False): STAGED_BWD_DEFAULT, (32768, 2, True): STAGED_BWD_DEFAULT}
+
+
+# The staged forward for rows longer than MAX_FUSED_N_FWD (bf16/fp16 x, N % 16 == 0, no residual): x read
+# once instead of twice. SHARDNORM_LONG_FWD=chunked keeps the chunked `tl` forward (benchmarks' A/B).
+STAGED_FWD = StagedConfig(num_warps=32)
+
+
+def staged_fwd(device: torch.device) -> bool:
+    """Whether rows longer than MAX_FUSED_N_FWD may take the staged forward on `device`."""
+    return staged(device) and os.environ.get("SHARDNORM_LONG_FWD") != "chunked"
 
 
 def without_staged(coop: str) -> str:
@@ -298,7 +309,7 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
         return row_groups(cfg, m, n, sm_count)
     if isinstance(cfg, CoopBwdConfig):
         return coop_groups(cfg, m, n, sm_count)
-    if isinstance(cfg, StagedBwdConfig):  # one program per SM, at most one per row
+    if isinstance(cfg, StagedConfig):  # one program per SM, at most one per row
         return max(1, min(m, sm_count))
     return cfg.programs(cdiv(m, cfg.block_m), sm_count)
 

@@ -212,10 +212,10 @@ class _BwdPlan:
         self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters,
                                      coop)
         self.sms = config.sm_count(device)
-        if isinstance(self.cfg, config.StagedBwdConfig) and not (config.staged(device) and self._staged_fits()):
+        if isinstance(self.cfg, config.StagedConfig) and not (config.staged(device) and self._staged_fits()):
             self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters,
                                          config.without_staged(coop))
-            if isinstance(self.cfg, config.StagedBwdConfig):  # a forced config (tests, sweeps)
+            if isinstance(self.cfg, config.StagedConfig):  # a forced config (tests, sweeps)
                 self.cfg = config.BWD_SPLIT
         interpreted = not isinstance(coop_bwd_kernel, JITFunction)
         if isinstance(self.cfg, config.CoopBwdConfig) and not config.coop_fits(self.cfg, n, self.sms, interpreted):
@@ -224,7 +224,7 @@ class _BwdPlan:
         self.wide_rows = functools.partial(_plan, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device,
                                            clusters, config.without_staged(coop), dy_terms)
         flags = dict(IS_RMS=rms, HAS_WEIGHT=has_weight, ZERO_CENTERED=zero_centered)
-        if isinstance(self.cfg, config.StagedBwdConfig):
+        if isinstance(self.cfg, config.StagedConfig):
             from .norm_bwd_staged import stage_weight, staged_bwd_kernel
 
             cfg = self.cfg
@@ -285,7 +285,7 @@ class _BwdPlan:
 
     def __call__(self, dy, dz, src, weight, mean, rstd, dy_terms=()):
         M, N = src.shape
-        if isinstance(self.cfg, config.StagedBwdConfig) and not _stageable(src, dy, weight, dy_terms):
+        if isinstance(self.cfg, config.StagedConfig) and not _stageable(src, dy, weight, dy_terms):
             return self.wide_rows()(dy, dz, src, weight, mean, rstd, dy_terms)
         if dy_terms and not self.one_pass:  # long rows: the split and cooperative kernels read one dy (fp32)
             dy = sum((t.float() for t in dy_terms), dy.float())
@@ -299,7 +299,7 @@ class _BwdPlan:
         partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) \
             if num_grads and not direct else None
         dz_stride = dz.stride()[0] if dz is not None else 0
-        if isinstance(self.cfg, config.StagedBwdConfig):
+        if isinstance(self.cfg, config.StagedConfig):
             self.staged((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride()[0], dy.stride()[0],
                         dz_stride, M, N)
         elif isinstance(self.cfg, config.CoopBwdConfig):

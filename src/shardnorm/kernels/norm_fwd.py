@@ -214,6 +214,16 @@ class _FwdPlan:
                                ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
                                PERSISTENT=cfg.programs_per_sm > 0)
+        self.staged = None  # rows too long for registers, staged in shared memory (norm_fwd_staged.py)
+        if n > config.MAX_FUSED_N_FWD and n % 16 == 0 and not has_residual and config.staged_fwd(device):
+            from .norm_fwd_staged import fits, staged_fwd_kernel
+
+            staged = config.STAGED_FWD
+            chunk = staged.vec * 32 * staged.num_warps
+            if fits(n, chunk, 2):
+                self.staged = Launcher(staged_fwd_kernel, staged.num_warps, derived=(3, 4, 5), IS_RMS=rms,
+                                       HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
+                                       VEC=staged.vec, CHUNKS=config.cdiv(n, chunk))
 
     def _programs(self, M):
         return self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
@@ -225,7 +235,9 @@ class _FwdPlan:
         z = torch.empty((M, N), dtype=torch.result_type(x, residual), device=device) if residual is not None else None
         mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
         rstd = torch.empty(M, dtype=torch.float32, device=device)
-        if M:
+        if M and self.staged is not None and x.element_size() == 2 and not (x.stride()[0] & 15 or x.data_ptr() & 15):
+            self.staged((min(M, self.sms),), x, weight, bias, y, mean, rstd, x.stride()[0], M, N, eps)
+        elif M:
             programs = config.per_m(self.programs, M, self._programs)
             self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
                         residual.stride()[0] if residual is not None else 0, M, N, eps)
