@@ -51,6 +51,8 @@ def candidates() -> dict:
         # session 12: the row staged in shared memory (Gluon), where it fits (LayerNorm to 16384 columns)
         "staged_w16": config.StagedConfig(16),
         "staged_w32": config.StagedConfig(32),
+        "staged_slices_16384": config.StagedConfig(32, slice_n=16384),
+        "staged_slices_8192": config.StagedConfig(32, slice_n=8192),
         "staged_w16_v16": config.StagedConfig(16, vec=16),
         "staged_w8_v32": config.StagedConfig(8, vec=32),
     }

@@ -42,6 +42,11 @@ case "${1:-staged}" in
     box fwd_ln_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py -k "forward and not rms"
     box longrow_fwd_ln 150 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 --norms layer \
         --providers shardnorm,torch.compile --out "$OUT/longrow_fwd_ln.json" ;;
+  slices)  # the sliced staged backward (rows over 2-8 programs): its tests, then the long rows it is for
+    box slices_tests 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_long_rows_staged.py -k "sliced" -rs
+    box slices_sweep 150 python3 benchmarks/gpu_longrow.py --out "$OUT" --timeout 30 \
+        --only layer:32768:bfloat16,layer:65536:bfloat16,rms:65536:bfloat16 \
+        --candidates coop_8192x1_w16,coop_8192x1_w32,staged_slices_16384,staged_slices_8192 ;;
   host)
     box gpu_tests_host 260 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_launch.py \
         tests/test_cuda_graphs.py -rs

@@ -49,7 +49,8 @@ def test_selection(monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("n,rms", [(14336, False), (16384, False), (32768, True), (20000, False)])
+@pytest.mark.parametrize("n,rms", [(14336, False), (16384, False), (32768, True), (65536, True), (40000, True),
+                                   (20000, False)])
 def test_table_entries(monkeypatch, n, rms):
     """As users get it (not forced): the measured rows take the staged backward, against float64."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
@@ -129,6 +130,53 @@ def test_bitwise_deterministic(monkeypatch, rms):
     for a, c in zip(run(), run()):
         assert a is None or torch.equal(a, c)
     bwd_module._plan.cache_clear()
+
+
+SLICED = {"slices_16384": S(32, slice_n=16384), "slices_8192": S(32, slice_n=8192)}
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", SLICED)
+@pytest.mark.parametrize("n,rows", [(16384, 301), (32768, 1), (40000, 301), (65536, 77)])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("case", ["bf16_weight", "residual_zero_centered", "fp16_no_bias"])
+def test_sliced_rows_match_float64(monkeypatch, force, name, n, rows, rms, case):
+    """Rows split over 1-8 staged programs meeting through the exchange: a partial last slice (40000), fewer
+    rows than groups (1), several rounds of the exchange ring (301, 77)."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    force(SLICED[name])
+    kw = dict(CASES[case])
+    run_case(backend_device("triton"), n, rms, kw.pop("dtype"), rows=rows, **kw)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_sliced_deterministic_and_graph_replay(monkeypatch, force, rms):
+    """Bitwise repeatable, also from CUDA graph replays (the last slice out zeroes the counters in-kernel)."""
+    force(SLICED["slices_16384"])
+    x = torch.randn(1000, 65536, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
+    b = None if rms else torch.randn_like(w)
+    _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-5, rms, False)
+    dy = torch.randn_like(x)
+    run = lambda: bwd_module.norm_bwd(dy, None, x, w, mean, rstd, b is not None, rms, False)  # noqa: E731
+    assert _plan(65536, rms).cfg.slice_n == 16384
+    first, second = run(), run()
+    for a, c in zip(first, second):
+        assert a is None or torch.equal(a, c)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, c in zip(first, captured):
+            assert a is None or torch.equal(a, c)
 
 
 # ---- the staged forward (`kernels/norm_fwd_staged.py`) ----

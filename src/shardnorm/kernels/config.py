@@ -116,9 +116,11 @@ class CoopBwdConfig:
 class StagedConfig:
     """The staged kernels (`norm_bwd_staged.py`, `norm_fwd_staged.py`, Gluon): one persistent program per SM
     holds whole rows in shared memory, copied in chunks of vec x 32 x num_warps elements (vec: elements per
-    16-byte copy)."""
+    16-byte copy). slice_n > 0 (backward): a row split into slices of slice_n columns, one program each, in
+    two row slots, meeting through the cooperative exchange (`staged_slices_bwd_kernel`)."""
     num_warps: int
     vec: int = 8
+    slice_n: int = 0
 
 
 BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig, StagedConfig]
@@ -222,7 +224,10 @@ COOP_BWD_DEFAULT = _COOP_LN
 # results/h100-2026-11-25-s12): LayerNorm 14336 80% (cooperative 62%), 16384 90% (68%); RMSNorm 32768
 # 91% (78%). `SHARDNORM_LONG_BWD=staged` runs STAGED_BWD_DEFAULT for every long row it can take.
 STAGED_BWD_DEFAULT = StagedConfig(num_warps=32)
-STAGED_BWD = {(16384, 2, False): STAGED_BWD_DEFAULT, (32768, 2, True): STAGED_BWD_DEFAULT}
+# RMSNorm 65536: four 16384-column slices exchanging their row sums, 87% (cooperative 72%); LayerNorm 32768 /
+# 65536 the same way measured 72% / 67% (cooperative 70% / 68%): not taken.
+STAGED_BWD = {(16384, 2, False): STAGED_BWD_DEFAULT, (32768, 2, True): STAGED_BWD_DEFAULT,
+              (65536, 2, True): StagedConfig(num_warps=32, slice_n=16384)}
 
 
 # The staged forward for rows longer than MAX_FUSED_N_FWD (bf16/fp16 x, N % 16 == 0, no residual): x read
@@ -309,8 +314,8 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
         return row_groups(cfg, m, n, sm_count)
     if isinstance(cfg, CoopBwdConfig):
         return coop_groups(cfg, m, n, sm_count)
-    if isinstance(cfg, StagedConfig):  # one program per SM, at most one per row
-        return max(1, min(m, sm_count))
+    if isinstance(cfg, StagedConfig):  # one program per SM (per slice), at most one per row
+        return max(1, min(m, sm_count // cdiv(n, cfg.slice_n) if cfg.slice_n else sm_count))
     return cfg.programs(cdiv(m, cfg.block_m), sm_count)
 
 

@@ -27,9 +27,9 @@ MAX_CHUNKS = 4  # register sums for up to 4 chunks (below)
 MAX_SUMS = 32768  # fp32 dgamma/dbeta sums per program: half the register file (256 KB)
 
 
-def stage_weight(n: int, chunk: int, weight_size: int) -> bool:
-    """Whether the weight fits in shared memory beside bf16/fp16 x and dy (STAGE_W)."""
-    return bool(weight_size) and -(-n // chunk) * chunk * (2 + 2 + weight_size) <= SMEM_BYTES
+def stage_weight(n: int, chunk: int, weight_size: int, slots: int = 1) -> bool:
+    """Whether the weight of n columns fits in shared memory beside `slots` rows of bf16/fp16 x and dy (STAGE_W)."""
+    return bool(weight_size) and -(-n // chunk) * chunk * (4 * slots + weight_size) <= SMEM_BYTES
 
 
 def fits(n: int, chunk: int, src_size: int, dy_size: int, num_grads: int) -> bool:
@@ -91,7 +91,7 @@ def staged_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, stride_src, strid
         for c in gl.static_range(CHUNKS):
             async_copy.wait_group(CHUNKS - 1 - c)
             cols = c * CHUNK + offs
-            xhat, dy, wdy = _chunk_values(xs, dys, ws, W, c, cols, cols < N, mean, rstd, layout, IS_RMS, HAS_WEIGHT,
+            xhat, dy, wdy = _chunk_values(xs, dys, ws, W, c, c, cols, cols < N, mean, rstd, layout, IS_RMS, HAS_WEIGHT,
                                           ZERO_CENTERED, STAGE_W)
             sum_xwdy += xhat * wdy
             sum_wdy += wdy
@@ -142,8 +142,19 @@ def _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, 
     """Chunk c of the row's dx, its dgamma / dbeta terms added to (dw, db); then the chunk's slot takes
     the next row's chunk."""
     cols = c * CHUNK + offs
+    dw, db = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, c, c, cols, mean, rstd, c1, c2, dw, db, layout,
+                       IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
+    _issue_row(xs, dys, SRC, DY, row + programs, M, N, stride_src, stride_dy, offs, c, CHUNK)
+    return dw, db
+
+
+@gluon.jit
+def _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, at, c: gl.constexpr, cols, mean, rstd, c1, c2, dw, db,
+              layout: gl.constexpr, IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_DZ: gl.constexpr,
+              ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr):
+    """dx of the row's chunk (x, dy from shared-memory chunk `at`); returns (dw, db) with its terms added."""
     col_mask = cols < N
-    xhat, dy, wdy = _chunk_values(xs, dys, ws, W, c, cols, col_mask, mean, rstd, layout, IS_RMS, HAS_WEIGHT,
+    xhat, dy, wdy = _chunk_values(xs, dys, ws, W, at, c, cols, col_mask, mean, rstd, layout, IS_RMS, HAS_WEIGHT,
                                   ZERO_CENTERED, STAGE_W)
     if IS_RMS:
         dx = (wdy - xhat * c1) * rstd
@@ -153,7 +164,6 @@ def _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, 
     if HAS_DZ:
         dx += gl.load(DZ + row64 * stride_dz + cols, mask=col_mask, other=0.0).to(gl.float32)
     gl.store(DX + row64 * N + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
-    _issue_row(xs, dys, SRC, DY, row + programs, M, N, stride_src, stride_dy, offs, c, CHUNK)
     return dw + dy * xhat, db + dy
 
 
@@ -170,11 +180,12 @@ def _store_sums(partial, N, offs, dw, db, c: gl.constexpr, CHUNK: gl.constexpr, 
 
 
 @gluon.jit
-def _chunk_values(xs, dys, ws, W, c: gl.constexpr, cols, col_mask, mean, rstd, layout: gl.constexpr,
+def _chunk_values(xs, dys, ws, W, at, c: gl.constexpr, cols, col_mask, mean, rstd, layout: gl.constexpr,
                   IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr):
-    """(xhat, dy, w * dy) of chunk c in fp32, zero past N (the copies zero-filled x and dy there)."""
-    x = xs.index(c).load(layout).to(gl.float32)
-    dy = dys.index(c).load(layout).to(gl.float32)
+    """(xhat, dy, w * dy) of chunk c in fp32, zero past N (the copies zero-filled x and dy there); x and dy
+    from shared-memory chunk `at` (c, or c in the row's slot)."""
+    x = xs.index(at).load(layout).to(gl.float32)
+    dy = dys.index(at).load(layout).to(gl.float32)
     if IS_RMS:
         xhat = x * rstd
     else:
@@ -189,3 +200,119 @@ def _chunk_values(xs, dys, ws, W, c: gl.constexpr, cols, col_mask, mean, rstd, l
             w = w + 1.0
         wdy = dy * w
     return xhat, dy, wdy
+
+
+@gluon.jit
+def _issue_slot(xs, dys, SRC, DY, row, M, N, stride_src, stride_dy, offs, slot, CHUNKS: gl.constexpr,
+                CHUNK: gl.constexpr):
+    """cp.async of `row`'s slice (offs: its first chunk's columns) into row slot `slot`, one group per chunk."""
+    row64 = row.to(gl.int64)
+    for c in gl.static_range(CHUNKS):
+        cols = c * CHUNK + offs
+        mask = (cols < N) & (row < M)
+        async_copy.async_copy_global_to_shared(xs.index(slot * CHUNKS + c), SRC + row64 * stride_src + cols, mask=mask)
+        async_copy.async_copy_global_to_shared(dys.index(slot * CHUNKS + c), DY + row64 * stride_dy + cols, mask=mask)
+        async_copy.commit_group()
+
+
+@gluon.jit
+def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, COUNTERS, stride_src, stride_dy,
+                             stride_dz, M, N, IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                             HAS_DZ: gl.constexpr, ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr,
+                             STAGE_W: gl.constexpr, SLICES: gl.constexpr, RING: gl.constexpr):
+    """Rows longer than one SM holds: program (slice c, group g) stages columns [c * CHUNKS * CHUNK, +CHUNKS *
+    CHUNK) of rows g, g + G, ... in two row slots (the next row's copies in flight during this row's work and
+    its wait), and the slices of a row meet through the cooperative backward's exchange (norm_bwd_coop.py:
+    publish with a release count, wait with acquire, partials added in slice order; launched cooperatively).
+    SLICES: next_pow2 of the slice count."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
+    gl.static_assert(CHUNKS <= 4)  # MAX_CHUNKS
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
+    sums_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    staged: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    xs = gl.allocate_shared_memory(SRC.dtype.element_ty, [2 * CHUNKS, CHUNK], staged)
+    dys = gl.allocate_shared_memory(DY.dtype.element_ty, [2 * CHUNKS, CHUNK], staged)
+    slice_id = gl.program_id(0)
+    num_slices = gl.num_programs(0)
+    group = gl.program_id(1)
+    groups = gl.num_programs(1)
+    offs = slice_id * (CHUNKS * CHUNK) + gl.arange(0, CHUNK, layout=layout)
+    if STAGE_W:
+        ws = gl.allocate_shared_memory(W.dtype.element_ty, [CHUNKS, CHUNK], staged)
+        for c in gl.static_range(CHUNKS):
+            async_copy.async_copy_global_to_shared(ws.index(c), W + c * CHUNK + offs, mask=c * CHUNK + offs < N)
+    else:
+        ws = xs  # unused
+    zero = gl.zeros([CHUNK], gl.float32, layout)
+    dw0, dw1, dw2, dw3 = zero, zero, zero, zero
+    db0, db1, db2, db3 = zero, zero, zero, zero
+    steps = (M - group + groups - 1) // groups
+    _issue_slot(xs, dys, SRC, DY, group, M, N, stride_src, stride_dy, offs, 0, CHUNKS, CHUNK)
+    for step in range(0, steps):
+        row = group + step * groups
+        slot = step % 2
+        _issue_slot(xs, dys, SRC, DY, row + groups, M, N, stride_src, stride_dy, offs, 1 - slot, CHUNKS, CHUNK)
+        rstd = gl.load(RSTD + row)
+        mean = 0.0
+        if not IS_RMS:
+            mean = gl.load(MEAN + row)
+        sum_xwdy = zero
+        sum_wdy = zero
+        for c in gl.static_range(CHUNKS):
+            async_copy.wait_group(2 * CHUNKS - 1 - c)  # this row's chunk c; the next row's may be in flight
+            cols = c * CHUNK + offs
+            xhat, dy, wdy = _chunk_values(xs, dys, ws, W, slot * CHUNKS + c, c, cols, cols < N, mean, rstd, layout,
+                                          IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
+            sum_xwdy += xhat * wdy
+            sum_wdy += wdy
+        # This slice's partial row sums into the exchange ring, then the row's, added in slice order.
+        ring = step % RING
+        at = EXCHANGE + (group * RING + ring) * 2 * num_slices
+        if IS_RMS:
+            gl.store(at + slice_id, gl.sum(sum_xwdy, axis=0))
+        else:
+            part1, part2 = gl.reduce((sum_xwdy, sum_wdy), 0, _add_pairs)
+            gl.store(at + slice_id, part1)
+            gl.store(at + num_slices + slice_id, part2)
+        gl.thread_barrier()  # every thread's stores before the release below
+        counter = COUNTERS + group * (RING + 1) + ring
+        gl.atomic_add(counter, 1, sem="release", scope="gpu")
+        target = num_slices * (step // RING + 1)
+        seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        gl.thread_barrier()
+        sl = gl.arange(0, SLICES, layout=sums_layout)
+        c1 = gl.sum(gl.load(at + sl, mask=sl < num_slices, other=0.0, cache_modifier=".cg"), axis=0) / N
+        c2 = c1
+        if not IS_RMS:
+            c2 = gl.sum(gl.load(at + num_slices + sl, mask=sl < num_slices, other=0.0, cache_modifier=".cg"),
+                        axis=0) / N
+        dw0, db0 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS, 0, offs, mean, rstd, c1, c2,
+                             dw0, db0, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
+        if CHUNKS > 1:
+            dw1, db1 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS + 1, 1, CHUNK + offs, mean,
+                                 rstd, c1, c2, dw1, db1, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
+        if CHUNKS > 2:
+            dw2, db2 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS + 2, 2, 2 * CHUNK + offs,
+                                 mean, rstd, c1, c2, dw2, db2, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED,
+                                 STAGE_W)
+        if CHUNKS > 3:
+            dw3, db3 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS + 3, 3, 3 * CHUNK + offs,
+                                 mean, rstd, c1, c2, dw3, db3, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED,
+                                 STAGE_W)
+    async_copy.wait_group(0)
+    partial = PARTIAL + group.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS))
+    _store_sums(partial, N, offs, dw0, db0, 0, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 1:
+        _store_sums(partial, N, offs, dw1, db1, 1, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 2:
+        _store_sums(partial, N, offs, dw2, db2, 2, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 3:
+        _store_sums(partial, N, offs, dw3, db3, 3, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    # The group's last slice out zeroes its counters (every slice is past its last wait then).
+    done = COUNTERS + group * (RING + 1) + RING
+    if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == num_slices - 1:
+        for r in gl.static_range(RING + 1):
+            gl.store(COUNTERS + group * (RING + 1) + r, 0)
