@@ -12,6 +12,7 @@ import torch
 from conftest import backend_device
 from shardnorm.kernels import config, norm_fwd
 from test_kernels import run_case
+from test_long_rows_coop import assert_repeatable_and_replayable
 from test_long_rows_coop import force  # noqa: F401 (the fixture: every backward takes a given config)
 
 bwd_module = sys.modules["shardnorm.kernels.norm_bwd"]
@@ -159,24 +160,8 @@ def test_sliced_deterministic_and_graph_replay(monkeypatch, force, rms):
     b = None if rms else torch.randn_like(w)
     _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-5, rms, False)
     dy = torch.randn_like(x)
-    run = lambda: bwd_module.norm_bwd(dy, None, x, w, mean, rstd, b is not None, rms, False)  # noqa: E731
     assert _plan(65536, rms).cfg.slice_n == 16384
-    first, second = run(), run()
-    for a, c in zip(first, second):
-        assert a is None or torch.equal(a, c)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            captured = run()
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        for a, c in zip(first, captured):
-            assert a is None or torch.equal(a, c)
+    assert_repeatable_and_replayable(lambda: bwd_module.norm_bwd(dy, None, x, w, mean, rstd, b is not None, rms, False))
 
 
 # ---- the staged forward (`kernels/norm_fwd_staged.py`) ----

@@ -63,14 +63,7 @@ def staged_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, stride_src, strid
     xs = gl.allocate_shared_memory(SRC.dtype.element_ty, [CHUNKS, CHUNK], staged)
     dys = gl.allocate_shared_memory(DY.dtype.element_ty, [CHUNKS, CHUNK], staged)
     offs = gl.arange(0, CHUNK, layout=layout)
-    # STAGE_W: the weight in shared memory too, copied with the first row: read twice per row, from L2
-    # it would put a load's latency into every chunk of both passes.
-    if STAGE_W:
-        ws = gl.allocate_shared_memory(W.dtype.element_ty, [CHUNKS, CHUNK], staged)
-        for c in gl.static_range(CHUNKS):
-            async_copy.async_copy_global_to_shared(ws.index(c), W + c * CHUNK + offs, mask=c * CHUNK + offs < N)
-    else:
-        ws = xs  # unused
+    ws = _staged_weight(W, xs, offs, N, staged, CHUNKS, CHUNK, STAGE_W)
     zero = gl.zeros([CHUNK], gl.float32, layout)
     # dgamma / dbeta sums of chunks 0-3 in registers (a chunk's are its own variables: Gluon has no
     # register arrays); absent chunks' stay unused and compile away.
@@ -81,20 +74,9 @@ def staged_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, stride_src, strid
     for c in gl.static_range(CHUNKS):
         _issue_row(xs, dys, SRC, DY, pid, M, N, stride_src, stride_dy, offs, c, CHUNK)
     for row in range(pid, M, programs):
-        rstd = gl.load(RSTD + row)
-        mean = 0.0
-        if not IS_RMS:
-            mean = gl.load(MEAN + row)
         # Pass 1: the row sums, each chunk as soon as its copy has landed.
-        sum_xwdy = zero
-        sum_wdy = zero
-        for c in gl.static_range(CHUNKS):
-            async_copy.wait_group(CHUNKS - 1 - c)
-            cols = c * CHUNK + offs
-            xhat, dy, wdy = _chunk_values(xs, dys, ws, W, c, c, cols, cols < N, mean, rstd, layout, IS_RMS, HAS_WEIGHT,
-                                          ZERO_CENTERED, STAGE_W)
-            sum_xwdy += xhat * wdy
-            sum_wdy += wdy
+        mean, rstd, sum_xwdy, sum_wdy = _row_terms(xs, dys, ws, W, MEAN, RSTD, row, 0, offs, N, zero, layout, 0, CHUNKS,
+                                                   CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
         if IS_RMS:
             c1 = gl.sum(sum_xwdy, axis=0) / N
             c2 = c1
@@ -119,14 +101,31 @@ def staged_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, stride_src, strid
                                  offs, mean, rstd, c1, c2, dw3, db3, 3, layout, CHUNK, IS_RMS, HAS_WEIGHT,
                                  HAS_DZ, ZERO_CENTERED, STAGE_W)
     async_copy.wait_group(0)  # the last (empty) copies, before the program's shared memory goes
-    partial = PARTIAL + pid.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS))
-    _store_sums(partial, N, offs, dw0, db0, 0, CHUNK, HAS_WEIGHT, HAS_BIAS)
-    if CHUNKS > 1:
-        _store_sums(partial, N, offs, dw1, db1, 1, CHUNK, HAS_WEIGHT, HAS_BIAS)
-    if CHUNKS > 2:
-        _store_sums(partial, N, offs, dw2, db2, 2, CHUNK, HAS_WEIGHT, HAS_BIAS)
-    if CHUNKS > 3:
-        _store_sums(partial, N, offs, dw3, db3, 3, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    _store_sums(PARTIAL + pid.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS)), N, offs, dw0, dw1, dw2, dw3, db0, db1, db2,
+                db3, CHUNKS, CHUNK, HAS_WEIGHT, HAS_BIAS)
+
+
+@gluon.jit
+def _row_terms(xs, dys, ws, W, MEAN, RSTD, row, first, offs, N, zero, layout: gl.constexpr, LATER: gl.constexpr,
+               CHUNKS: gl.constexpr, CHUNK: gl.constexpr, IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+               ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr):
+    """The row's mean (0 for RMSNorm) and rstd, and per lane the terms of its two row sums (xhat * w * dy,
+    w * dy) over its chunks in shared memory (chunks first, first + 1, ...), each read once its copy group
+    has landed (LATER: groups issued after this row's, which may stay in flight)."""
+    rstd = gl.load(RSTD + row)
+    mean = 0.0
+    if not IS_RMS:
+        mean = gl.load(MEAN + row)
+    sum_xwdy = zero
+    sum_wdy = zero
+    for c in gl.static_range(CHUNKS):
+        async_copy.wait_group(LATER + CHUNKS - 1 - c)
+        cols = c * CHUNK + offs
+        xhat, dy, wdy = _chunk_values(xs, dys, ws, W, first + c, c, cols, cols < N, mean, rstd, layout, IS_RMS,
+                                      HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
+        sum_xwdy += xhat * wdy
+        sum_wdy += wdy
+    return mean, rstd, sum_xwdy, sum_wdy
 
 
 @gluon.jit
@@ -168,9 +167,36 @@ def _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, at, c: gl.constexpr, co
 
 
 @gluon.jit
-def _store_sums(partial, N, offs, dw, db, c: gl.constexpr, CHUNK: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-                HAS_BIAS: gl.constexpr):
-    """Chunk c of the program's dgamma / dbeta sums into its partial row: dgamma, then dbeta."""
+def _staged_weight(W, xs, offs, N, staged: gl.constexpr, CHUNKS: gl.constexpr, CHUNK: gl.constexpr,
+                   STAGE_W: gl.constexpr):
+    """STAGE_W: the weight's chunks (columns offs + c * CHUNK) copied into shared memory with the first row's
+    copies (read twice per row, from L2 it would put a load's latency into every chunk of both passes);
+    else `xs`, unused."""
+    if STAGE_W:
+        ws = gl.allocate_shared_memory(W.dtype.element_ty, [CHUNKS, CHUNK], staged)
+        for c in gl.static_range(CHUNKS):
+            async_copy.async_copy_global_to_shared(ws.index(c), W + c * CHUNK + offs, mask=c * CHUNK + offs < N)
+    else:
+        ws = xs
+    return ws
+
+
+@gluon.jit
+def _store_sums(partial, N, offs, dw0, dw1, dw2, dw3, db0, db1, db2, db3, CHUNKS: gl.constexpr, CHUNK: gl.constexpr,
+                HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """The program's dgamma / dbeta sums of chunks 0..CHUNKS-1 into its partial row: dgamma, then dbeta."""
+    _store_chunk_sums(partial, N, offs, dw0, db0, 0, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 1:
+        _store_chunk_sums(partial, N, offs, dw1, db1, 1, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 2:
+        _store_chunk_sums(partial, N, offs, dw2, db2, 2, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    if CHUNKS > 3:
+        _store_chunk_sums(partial, N, offs, dw3, db3, 3, CHUNK, HAS_WEIGHT, HAS_BIAS)
+
+
+@gluon.jit
+def _store_chunk_sums(partial, N, offs, dw, db, c: gl.constexpr, CHUNK: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+                      HAS_BIAS: gl.constexpr):
     cols = c * CHUNK + offs
     col_mask = cols < N
     if HAS_WEIGHT:
@@ -238,12 +264,7 @@ def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, 
     group = gl.program_id(1)
     groups = gl.num_programs(1)
     offs = slice_id * (CHUNKS * CHUNK) + gl.arange(0, CHUNK, layout=layout)
-    if STAGE_W:
-        ws = gl.allocate_shared_memory(W.dtype.element_ty, [CHUNKS, CHUNK], staged)
-        for c in gl.static_range(CHUNKS):
-            async_copy.async_copy_global_to_shared(ws.index(c), W + c * CHUNK + offs, mask=c * CHUNK + offs < N)
-    else:
-        ws = xs  # unused
+    ws = _staged_weight(W, xs, offs, N, staged, CHUNKS, CHUNK, STAGE_W)
     zero = gl.zeros([CHUNK], gl.float32, layout)
     dw0, dw1, dw2, dw3 = zero, zero, zero, zero
     db0, db1, db2, db3 = zero, zero, zero, zero
@@ -253,19 +274,9 @@ def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, 
         row = group + step * groups
         slot = step % 2
         _issue_slot(xs, dys, SRC, DY, row + groups, M, N, stride_src, stride_dy, offs, 1 - slot, CHUNKS, CHUNK)
-        rstd = gl.load(RSTD + row)
-        mean = 0.0
-        if not IS_RMS:
-            mean = gl.load(MEAN + row)
-        sum_xwdy = zero
-        sum_wdy = zero
-        for c in gl.static_range(CHUNKS):
-            async_copy.wait_group(2 * CHUNKS - 1 - c)  # this row's chunk c; the next row's may be in flight
-            cols = c * CHUNK + offs
-            xhat, dy, wdy = _chunk_values(xs, dys, ws, W, slot * CHUNKS + c, c, cols, cols < N, mean, rstd, layout,
-                                          IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
-            sum_xwdy += xhat * wdy
-            sum_wdy += wdy
+        # this row's chunks as they land; the next row's copies (CHUNKS groups) may still be in flight
+        mean, rstd, sum_xwdy, sum_wdy = _row_terms(xs, dys, ws, W, MEAN, RSTD, row, slot * CHUNKS, offs, N, zero, layout,
+                                                   CHUNKS, CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
         # This slice's partial row sums into the exchange ring, then the row's, added in slice order.
         ring = step % RING
         at = EXCHANGE + (group * RING + ring) * 2 * num_slices
@@ -303,14 +314,8 @@ def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, 
                                  mean, rstd, c1, c2, dw3, db3, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED,
                                  STAGE_W)
     async_copy.wait_group(0)
-    partial = PARTIAL + group.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS))
-    _store_sums(partial, N, offs, dw0, db0, 0, CHUNK, HAS_WEIGHT, HAS_BIAS)
-    if CHUNKS > 1:
-        _store_sums(partial, N, offs, dw1, db1, 1, CHUNK, HAS_WEIGHT, HAS_BIAS)
-    if CHUNKS > 2:
-        _store_sums(partial, N, offs, dw2, db2, 2, CHUNK, HAS_WEIGHT, HAS_BIAS)
-    if CHUNKS > 3:
-        _store_sums(partial, N, offs, dw3, db3, 3, CHUNK, HAS_WEIGHT, HAS_BIAS)
+    _store_sums(PARTIAL + group.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS)), N, offs, dw0, dw1, dw2, dw3, db0, db1,
+                db2, db3, CHUNKS, CHUNK, HAS_WEIGHT, HAS_BIAS)
     # The group's last slice out zeroes its counters (every slice is past its last wait then).
     done = COUNTERS + group * (RING + 1) + RING
     if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == num_slices - 1:
