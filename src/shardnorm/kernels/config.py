@@ -353,9 +353,11 @@ def coop_mode(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=None)
 def staged(device: torch.device) -> bool:
-    """Whether long rows may take the staged backward: NVIDIA sm_80+ (cp.async) with Gluon importable.
-    Never on CPU tensors: Gluon does not run under the interpreter."""
-    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] < 8:
+    """Whether long rows may take the staged kernels: NVIDIA Hopper (sm_90, where they were measured and
+    where the 227 KB of shared memory per block they size rows by exists; sm_80's 164 KB and sm_89's 99 KB
+    would not hold them) with Gluon importable. Never on CPU tensors: Gluon does not run under the
+    interpreter."""
+    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device) != (9, 0):
         return False
     try:
         from . import norm_bwd_staged  # noqa: F401

@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-SMEM_BYTES = 227 * 1024  # Hopper's opt-in shared memory per block
+SMEM_BYTES = 227 * 1024  # Hopper's opt-in shared memory per block (config.staged: sm_90 only)
 MAX_CHUNKS = 4  # register sums for up to 4 chunks (below)
 
 
