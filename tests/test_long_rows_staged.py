@@ -62,6 +62,20 @@ def test_table_entries(monkeypatch, n, rms):
     bwd_module._plan.cache_clear()
 
 
+def test_stageable_calls():
+    """What a call must be for the staged backward's 16-byte copies; anything else goes to the other plan."""
+    rows = torch.randn(4, 16384 + 8, dtype=torch.bfloat16)
+    x, dy, w = rows[:, :16384], torch.randn(4, 16384, dtype=torch.bfloat16), torch.randn(16384, dtype=torch.bfloat16)
+    stageable = bwd_module._stageable
+    assert x.stride()[0] % 16 == 8 and not stageable(x, dy, w, ())  # rows 8 elements apart: not 16-byte multiples
+    x = torch.randn(4, 16384, dtype=torch.bfloat16)
+    assert stageable(x, dy, w, ()) and stageable(x, dy, None, ())
+    assert not stageable(x.float(), dy, w, ()) and not stageable(x, dy.float(), w, ())  # 4-byte rows
+    assert not stageable(x, dy, w, (dy,))  # grad terms: summed in fp32 first
+    assert not stageable(torch.randn(4 * 16384 + 1, dtype=torch.bfloat16)[1:].view(4, 16384), dy, w, ())  # misaligned
+    assert not stageable(x, dy, torch.randn(16385, dtype=torch.bfloat16)[1:], ())  # misaligned weight
+
+
 @needs_gpu
 def test_rows_that_do_not_fit_take_the_split_backward(monkeypatch):
     """Shared memory and registers decide: LayerNorm rows fit to 16384 columns (two fp32 sums per column in
