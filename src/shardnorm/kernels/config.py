@@ -321,7 +321,7 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
 
 # One-pass backwards of at most this many elements (M * N) take every row in one program, which
 # stores dgamma/dbeta itself: no fp32 partial buffer and no column-sum launch, i.e. an allocation and
-# a launch less of host time, the whole cost at such sizes (issue 22; NOTES.md v14). One program
+# a launch less of host time, the whole cost at such sizes (issue 22; NOTES.md v15). One program
 # walking 8 x 4096 bf16 (128 KB of x and dy) is a few us of GPU time.
 DIRECT_GRADS_MAX_ELEMENTS = 32768
 
