@@ -8,12 +8,16 @@ program per SM owns whole rows: it copies a row's x and dy into shared memory ch
 is consumed the same thread copies the next row's chunk into its place, so the loads of row i + 1 are
 in flight during row i's dx pass. The fp32 dgamma/dbeta sums stay in registers (up to half the
 register file: LayerNorm to 16384 columns, RMSNorm to 32768) and go to the same [P, G*N] partial
-buffer and `column_sum_kernel` as the other backwards (deterministic).
+buffer and `column_sum_kernel` as the other backwards (deterministic). Rows longer than that take
+`staged_slices_bwd_kernel`: slices of a row on several such programs, in two row slots each, meeting
+through the cooperative backward's exchange.
 
 Every thread reads back only the elements it copied itself (one distributed layout for the copies and
-the loads), so the chunk pipeline needs no block barrier. Gluon does not run under TRITON_INTERPRET:
-the split backward, the same math in `tl`, is what CI checks on CPU; this kernel is checked against
-float64 on the GPU (tests/test_long_rows.py).
+the loads), so a chunk is ready for a thread once its own copy group has landed (the block barriers
+the compiler adds around shared memory are not needed for it). Gluon does not run under
+TRITON_INTERPRET: the split backward, the same math in `tl`, is what CI checks on CPU; these kernels
+are checked against float64 on the GPU (tests/test_long_rows_staged.py). Shared memory is sized for
+Hopper (`config.staged`).
 """
 
 from triton.experimental import gluon
@@ -22,8 +26,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 SMEM_BYTES = 227 * 1024  # Hopper's opt-in shared memory per block (config.staged: sm_90 only)
 MAX_CHUNKS = 4  # register sums for up to 4 chunks (below)
-
-
 MAX_SUMS = 32768  # fp32 dgamma/dbeta sums per program: half the register file (256 KB)
 
 

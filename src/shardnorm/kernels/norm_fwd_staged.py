@@ -6,8 +6,8 @@ copies a row of x into shared memory chunk by chunk with `cp.async` (a 65536-col
 takes the statistics from there (LayerNorm: mean, then the centered sum of squares, as the one-pass
 kernel does), and writes y; as each chunk is consumed in that last pass the same thread copies the next
 row's chunk into its place. The weight and bias come from L2, each chunk's loaded one chunk ahead.
-Same staging as the backward (`norm_bwd_staged.py`); Gluon does
-not run under TRITON_INTERPRET, so CI checks the chunked `tl` forward, the same math.
+Same staging as the backward (`norm_bwd_staged.py`); Gluon does not run under TRITON_INTERPRET, so CI
+checks the chunked `tl` forward, the same math, and the GPU tests this one (tests/test_long_rows_staged.py).
 """
 
 from triton.experimental import gluon
