@@ -122,6 +122,18 @@ class StagedConfig:
     vec: int = 8
     slice_n: int = 0
 
+    @property
+    def chunk(self) -> int:
+        """Columns per chunk: one vec-element copy per thread."""
+        return self.vec * 32 * self.num_warps
+
+
+def staged_rows(*rows: torch.Tensor) -> bool:
+    """Whether the staged kernels' 16-byte copies can take these [M, N] tensors: 2-byte elements (they size
+    shared memory for them), row strides and addresses multiples of 16 (Triton must know it to compile
+    16-byte copies)."""
+    return all(t.element_size() == 2 and not (t.stride()[0] & 15 or t.data_ptr() & 15) for t in rows)
+
 
 BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig, StagedConfig]
 

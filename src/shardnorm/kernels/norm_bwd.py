@@ -185,11 +185,9 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
 
 
 def _stageable(src, dy, weight, dy_terms) -> bool:
-    """What the staged backward's 16-byte copies need of a call: bf16/fp16 x and dy (it sizes shared
-    memory for 2-byte rows), one dy (terms are summed in fp32 first), rows and pointers 16-byte aligned."""
-    return (src.element_size() == 2 and dy.element_size() == 2 and not dy_terms and
-            not (src.stride()[0] | dy.stride()[0]) & 15 and
-            not (src.data_ptr() | dy.data_ptr() | (weight.data_ptr() if weight is not None else 0)) & 15)
+    """What the staged backward needs of a call: x and dy its copies take (`config.staged_rows`), one dy
+    (terms are summed in fp32 first), a 16-byte aligned weight (it is copied too)."""
+    return (not dy_terms and config.staged_rows(src, dy) and (weight is None or not weight.data_ptr() & 15))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,12 +207,11 @@ class _BwdPlan:
         self.has_bias, self.row_sum_kinds = has_bias, 1 if rms else 2  # LayerNorm: two sums per row
         self.num_grads = int(has_weight) + int(has_bias)
         self.grad_dtype = weight_dtype if has_weight else torch.float32
-        self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters,
-                                     coop)
+        param_size = weight_dtype.itemsize if has_weight else 2
+        self.cfg = config.bwd_config(n, self.num_grads, param_size, rms, clusters, coop)
         self.sms = config.sm_count(device)
         if isinstance(self.cfg, config.StagedConfig) and not (config.staged(device) and self._staged_fits()):
-            self.cfg = config.bwd_config(n, self.num_grads, weight_dtype.itemsize if has_weight else 2, rms, clusters,
-                                         config.without_staged(coop))
+            self.cfg = config.bwd_config(n, self.num_grads, param_size, rms, clusters, config.without_staged(coop))
             if isinstance(self.cfg, config.StagedConfig):  # a forced config (tests, sweeps)
                 self.cfg = config.BWD_SPLIT
         interpreted = not isinstance(coop_bwd_kernel, JITFunction)
@@ -228,7 +225,7 @@ class _BwdPlan:
             from .norm_bwd_staged import stage_weight, staged_bwd_kernel, staged_slices_bwd_kernel
 
             cfg = self.cfg
-            chunk = cfg.vec * 32 * cfg.num_warps
+            chunk = cfg.chunk
             weight_size = weight_dtype.itemsize if has_weight else 0
             if cfg.slice_n:
                 self.slices = config.cdiv(n, cfg.slice_n)
@@ -276,7 +273,7 @@ class _BwdPlan:
         from .norm_bwd_staged import fits
 
         cfg = self.cfg
-        chunk = cfg.vec * 32 * cfg.num_warps
+        chunk = cfg.chunk
         if cfg.slice_n:  # whole chunks per slice, two row slots, every slice's program resident
             return (self.num_grads > 0 and self.n % 16 == 0 and cfg.slice_n % chunk == 0 and
                     config.cdiv(self.n, cfg.slice_n) <= self.sms and

@@ -219,11 +219,10 @@ class _FwdPlan:
             from .norm_fwd_staged import fits, staged_fwd_kernel
 
             staged = config.STAGED_FWD
-            chunk = staged.vec * 32 * staged.num_warps
-            if fits(n, chunk, 2):
+            if fits(n, staged.chunk, 2):
                 self.staged = Launcher(staged_fwd_kernel, staged.num_warps, derived=(3, 4, 5), IS_RMS=rms,
                                        HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
-                                       VEC=staged.vec, CHUNKS=config.cdiv(n, chunk))
+                                       VEC=staged.vec, CHUNKS=config.cdiv(n, staged.chunk))
 
     def _programs(self, M):
         return self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
@@ -235,7 +234,7 @@ class _FwdPlan:
         z = torch.empty((M, N), dtype=torch.result_type(x, residual), device=device) if residual is not None else None
         mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
         rstd = torch.empty(M, dtype=torch.float32, device=device)
-        if M and self.staged is not None and x.element_size() == 2 and not (x.stride()[0] & 15 or x.data_ptr() & 15):
+        if M and self.staged is not None and config.staged_rows(x):
             self.staged((min(M, self.sms),), x, weight, bias, y, mean, rstd, x.stride()[0], M, N, eps)
         elif M:
             programs = config.per_m(self.programs, M, self._programs)
