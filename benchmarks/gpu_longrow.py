@@ -53,6 +53,12 @@ def candidates() -> dict:
         "staged_w32": config.StagedConfig(32),
         "staged_slices_16384": config.StagedConfig(32, slice_n=16384),
         "staged_slices_8192": config.StagedConfig(32, slice_n=8192),
+        # session 13: three row slots, the next row's sums published before this row's are awaited; at N <= 16384
+        # one slice is the whole row in two (three) slots, no exchange. Since session 13 every sliced candidate
+        # exchanges tagged words (session 12's and the first session-13 runs: counters and release/acquire)
+        "staged_slices_16384_lead": config.StagedConfig(32, slice_n=16384, slots=3),
+        "staged_slices_16384_w16": config.StagedConfig(16, slice_n=16384),
+        "staged_slices_16384_w16_lead": config.StagedConfig(16, slice_n=16384, slots=3),
         "staged_w16_v16": config.StagedConfig(16, vec=16),
         "staged_w8_v32": config.StagedConfig(8, vec=32),
     }

@@ -32,9 +32,10 @@ def test_selection(monkeypatch):
     """SHARDNORM_LONG_BWD=staged picks the staged config for long rows only, the table where measured; a
     device that cannot run it (CPU: the interpreter) never gets it, whatever the config says."""
     assert config.bwd_config(16384, 2, 2, False, False, "staged") == config.STAGED_BWD_DEFAULT
-    assert config.bwd_config(14336, 2, 2, False, False, "table") == config.STAGED_BWD_DEFAULT
+    assert config.bwd_config(14336, 2, 2, False, False, "table") == config.STAGED_BWD[16384, 2, False]
     assert config.bwd_config(32768, 1, 2, True, False, "table") == config.STAGED_BWD_DEFAULT
-    assert config.bwd_config(32768, 2, 2, False, False, "table") == config.COOP_BWD[32768, 2, False]
+    assert config.bwd_config(32768, 2, 2, False, False, "table").slice_n == 16384
+    assert config.bwd_config(32768, 2, 4, False, False, "table") == config.COOP_BWD[32768, 4, False]  # fp32 w
     assert config.without_staged("table") == config.without_staged("staged") == "coop-table"
     assert config.bwd_config(4096, 2, 2, False, False, "staged") == config.bwd_config(4096, 2, 2, False, False, "")
     assert not config.staged(torch.device("cpu"))
@@ -50,14 +51,15 @@ def test_selection(monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("n,rms", [(14336, False), (16384, False), (32768, True), (65536, True), (40000, True),
-                                   (20000, False)])
+@pytest.mark.parametrize("n,rms", [(14336, False), (16384, False), (32768, False), (65536, False), (20000, False),
+                                   (32768, True), (65536, True), (40000, True)])
 def test_table_entries(monkeypatch, n, rms):
-    """As users get it (not forced): the measured rows take the staged backward, against float64."""
+    """As users get it (not forced): the measured rows (and rows that round up to them: 20000, 40000, a
+    partial last slice) take the staged backward, against float64."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
     monkeypatch.delenv("SHARDNORM_LONG_BWD", raising=False)
     bwd_module._plan.cache_clear()
-    assert isinstance(_plan(n, rms).cfg, S) == (n != 20000)  # 20000 is a 32768-column row: cooperative
+    assert isinstance(_plan(n, rms).cfg, S)
     run_case(backend_device("triton"), n, rms, torch.bfloat16, rows=301, weight_dtype=torch.bfloat16)
     bwd_module._plan.cache_clear()
 
@@ -147,17 +149,22 @@ def test_bitwise_deterministic(monkeypatch, rms):
     bwd_module._plan.cache_clear()
 
 
-SLICED = {"slices_16384": S(32, slice_n=16384), "slices_8192": S(32, slice_n=8192)}
+SLICED = {"slices_16384": S(32, slice_n=16384), "slices_8192": S(32, slice_n=8192),
+          "slices_16384_lead": S(32, slice_n=16384, slots=3), "slices_16384_w16": S(16, slice_n=16384),
+          "slices_16384_w16_lead": S(16, slice_n=16384, slots=3)}
+SLICED_SHAPES = [(14336, 301), (16384, 301), (32768, 1), (40000, 301), (65536, 77)]
+SLICED_CASES = [(name, n, rows) for name in SLICED for n, rows in SLICED_SHAPES
+                if name in ("slices_16384", "slices_16384_w16_lead") or (n, rows) in ((16384, 301), (40000, 301), (65536, 77))]
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", SLICED)
-@pytest.mark.parametrize("n,rows", [(16384, 301), (32768, 1), (40000, 301), (65536, 77)])
+@pytest.mark.parametrize("name,n,rows", SLICED_CASES)
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("case", ["bf16_weight", "residual_zero_centered", "fp16_no_bias"])
 def test_sliced_rows_match_float64(monkeypatch, force, name, n, rows, rms, case):
-    """Rows split over 1-8 staged programs meeting through the exchange: a partial last slice (40000), fewer
-    rows than groups (1), several rounds of the exchange ring (301, 77)."""
+    """Rows split over 1-8 staged programs meeting through the exchange (one slice: whole rows in two or three
+    slots, no exchange): a partial last slice (40000), fewer rows than groups (1), several rounds of the
+    exchange ring (301, 77), rows published one ahead (three slots)."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
     force(SLICED[name])
     kw = dict(CASES[case])
@@ -166,16 +173,25 @@ def test_sliced_rows_match_float64(monkeypatch, force, name, n, rows, rms, case)
 
 @needs_gpu
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-def test_sliced_deterministic_and_graph_replay(monkeypatch, force, rms):
-    """Bitwise repeatable, also from CUDA graph replays (the last slice out zeroes the counters in-kernel)."""
-    force(SLICED["slices_16384"])
+@pytest.mark.parametrize("name", ["slices_16384", "slices_16384_w16_lead"])
+def test_sliced_deterministic_and_graph_replay(monkeypatch, force, rms, name):
+    """Bitwise repeatable, also from CUDA graph replays (the last slice out zeroes the exchange in-kernel, so
+    the next launch starts from tags that match no row)."""
+    from shardnorm.kernels import norm_bwd_staged
+
+    exchanges = []
+    original = norm_bwd_staged.exchange_words
+    monkeypatch.setattr(norm_bwd_staged, "exchange_words", lambda *a: exchanges.append(original(*a)) or exchanges[-1])
+    force(SLICED[name])
     x = torch.randn(1000, 65536, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
     b = None if rms else torch.randn_like(w)
     _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-5, rms, False)
     dy = torch.randn_like(x)
-    assert _plan(65536, rms).cfg.slice_n == 16384
+    assert _plan(65536, rms).cfg == SLICED[name]
     assert_repeatable_and_replayable(lambda: bwd_module.norm_bwd(dy, None, x, w, mean, rstd, b is not None, rms, False))
+    torch.cuda.synchronize()
+    assert exchanges and all(int(words.abs().sum()) == 0 for words in exchanges)
 
 
 # ---- the staged forward (`kernels/norm_fwd_staged.py`) ----
@@ -235,3 +251,25 @@ def test_forward_chunked_switch_and_agreement(monkeypatch, rms):
     if not rms:
         torch.testing.assert_close(m1, m2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(y1.float(), y2.float(), rtol=1e-2, atol=1e-2)  # a bf16 rounding step apart at most
+
+
+@needs_gpu
+@pytest.mark.parametrize("offset", [0.0, 1000.0])
+def test_forward_moments_far_from_zero(monkeypatch, offset):
+    """The one-pass LayerNorm moments (each lane shifted by its own first value) keep the variance of rows whose
+    mean is far from zero against their spread: mean, rstd and y against float64."""
+    monkeypatch.delenv("SHARDNORM_LONG_FWD", raising=False)
+    fwd_module._plan.cache_clear()
+    x = (torch.randn(300, 65536, device="cuda", dtype=torch.float32) * 8 + offset).to(torch.bfloat16)
+    w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(w)
+    assert fwd_module._plan(65536, 2, True, True, False, False, False, x.device, False).staged is not None
+    y, _, mean, rstd = fwd_module.norm_fwd(x, w, b, None, 1e-5, False, False)
+    fwd_module._plan.cache_clear()
+    x64 = x.double()
+    mean64 = x64.mean(1)
+    rstd64 = (x64.var(1, unbiased=False) + 1e-5).rsqrt()
+    y64 = (x64 - mean64[:, None]) * rstd64[:, None] * w.double() + b.double()
+    torch.testing.assert_close(mean.double(), mean64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-4, atol=0)
+    assert ((y.double() - y64).norm() / y64.norm()).item() < 1e-2  # bf16 output

@@ -116,11 +116,13 @@ class CoopBwdConfig:
 class StagedConfig:
     """The staged kernels (`norm_bwd_staged.py`, `norm_fwd_staged.py`, Gluon): one persistent program per SM
     holds whole rows in shared memory, copied in chunks of vec x 32 x num_warps elements (vec: elements per
-    16-byte copy). slice_n > 0 (backward): a row split into slices of slice_n columns, one program each, in
-    two row slots, meeting through the cooperative exchange (`staged_slices_bwd_kernel`)."""
+    16-byte copy). slice_n > 0 (backward, `staged_slices_bwd_kernel`): rows split into slices of slice_n columns,
+    one program each, in `slots` row slots (3: the next row's sums published before this row's are awaited),
+    exchanging their row sums; one slice (N <= slice_n): whole rows, the next row's copies a row ahead."""
     num_warps: int
     vec: int = 8
     slice_n: int = 0
+    slots: int = 2
 
     @property
     def chunk(self) -> int:
@@ -233,13 +235,19 @@ COOP_BWD = {(16384, 2, False): _COOP_LN, (32768, 2, False): _COOP_LN, (65536, 2,
 COOP_BWD_DEFAULT = _COOP_LN
 # The staged backward (Gluon), where the row fits (norm_bwd_staged.fits) and a call's rows are 16-byte
 # aligned; the plan falls back to COOP_BWD / the split backward otherwise. H100, bf16, % of copy (GPU time,
-# results/h100-2026-11-25-s12): LayerNorm 14336 80% (cooperative 62%), 16384 90% (68%); RMSNorm 32768
-# 91% (78%). `SHARDNORM_LONG_BWD=staged` runs STAGED_BWD_DEFAULT for every long row it can take.
+# results/h100-2026-11-25-s13, same run as the cooperative and split paths' 61-78%):
+# - whole rows in one slot (`staged_bwd_kernel`, 32 warps): RMSNorm 32768 92%. `SHARDNORM_LONG_BWD=staged`
+#   runs it for every long row it can take.
+# - whole rows in two slots, the next row's copies a row ahead (one 16384-column slice, 16 warps: 128
+#   registers a thread, where 32 warps spill LayerNorm's dgamma/dbeta sums): LayerNorm 14336 87%, 16384 96%.
+# - 16384-column slices in three slots, the next row's sums published before this row's are awaited, tagged
+#   words for the exchange: LayerNorm 32768 87%, 65536 85%, RMSNorm 65536 92%.
 STAGED_BWD_DEFAULT = StagedConfig(num_warps=32)
-# RMSNorm 65536: four 16384-column slices exchanging their row sums, 87% (cooperative 72%); LayerNorm 32768 /
-# 65536 the same way measured 72% / 67% (cooperative 70% / 68%): not taken.
-STAGED_BWD = {(16384, 2, False): STAGED_BWD_DEFAULT, (32768, 2, True): STAGED_BWD_DEFAULT,
-              (65536, 2, True): StagedConfig(num_warps=32, slice_n=16384)}
+_STAGED_TWO_SLOTS = StagedConfig(num_warps=16, slice_n=16384)
+_STAGED_SLICES = StagedConfig(num_warps=16, slice_n=16384, slots=3)
+STAGED_BWD = {(16384, 2, False): _STAGED_TWO_SLOTS, (32768, 2, False): _STAGED_SLICES,
+              (65536, 2, False): _STAGED_SLICES, (32768, 2, True): STAGED_BWD_DEFAULT,
+              (65536, 2, True): _STAGED_SLICES}
 
 
 # The staged forward for rows longer than MAX_FUSED_N_FWD (bf16/fp16 x, N % 16 == 0, no residual): x read

@@ -222,17 +222,20 @@ class _BwdPlan:
                                            clusters, config.without_staged(coop), dy_terms)
         flags = dict(IS_RMS=rms, HAS_WEIGHT=has_weight, ZERO_CENTERED=zero_centered)
         if isinstance(self.cfg, config.StagedConfig):
-            from .norm_bwd_staged import stage_weight, staged_bwd_kernel, staged_slices_bwd_kernel
+            from .norm_bwd_staged import (EXCHANGE_RING, exchange_words, stage_weight, staged_bwd_kernel,
+                                          staged_slices_bwd_kernel)
 
             cfg = self.cfg
             chunk = cfg.chunk
             weight_size = weight_dtype.itemsize if has_weight else 0
             if cfg.slice_n:
                 self.slices = config.cdiv(n, cfg.slice_n)
+                self.exchange_words = exchange_words
                 self.staged = Launcher(staged_slices_bwd_kernel, cfg.num_warps, cooperative=True, derived=(6, 7),
                                        HAS_BIAS=has_bias, HAS_DZ=has_dz, VEC=cfg.vec, CHUNKS=cfg.slice_n // chunk,
-                                       STAGE_W=stage_weight(cfg.slice_n, chunk, weight_size, slots=2),
-                                       SLICES=config.next_pow2(self.slices), RING=RING, **flags)
+                                       STAGE_W=stage_weight(cfg.slice_n, chunk, weight_size, cfg.slots),
+                                       SLICES=config.next_pow2(self.slices), RING=EXCHANGE_RING, SLOTS=cfg.slots,
+                                       **flags)
             else:
                 self.staged = Launcher(staged_bwd_kernel, cfg.num_warps, derived=(6, 7), HAS_BIAS=has_bias,
                                        HAS_DZ=has_dz, VEC=cfg.vec, CHUNKS=config.cdiv(n, chunk),
@@ -274,10 +277,10 @@ class _BwdPlan:
 
         cfg = self.cfg
         chunk = cfg.chunk
-        if cfg.slice_n:  # whole chunks per slice, two row slots, every slice's program resident
+        if cfg.slice_n:  # whole chunks per slice in its row slots, every slice's program resident
             return (self.num_grads > 0 and self.n % 16 == 0 and cfg.slice_n % chunk == 0 and
-                    config.cdiv(self.n, cfg.slice_n) <= self.sms and
-                    fits(cfg.slice_n, chunk, 4, 4, self.num_grads))  # two slots: as one slot of 4-byte rows
+                    config.cdiv(self.n, cfg.slice_n) <= self.sms and  # the slots: as one slot of wider rows
+                    fits(cfg.slice_n, chunk, 2 * cfg.slots, 2 * cfg.slots, self.num_grads))
         return self.num_grads > 0 and self.n % 16 == 0 and fits(self.n, chunk, 2, 2, self.num_grads)
 
     # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
@@ -309,9 +312,8 @@ class _BwdPlan:
             if num_grads and not direct else None
         dz_stride = dz.stride()[0] if dz is not None else 0
         if isinstance(self.cfg, config.StagedConfig) and self.cfg.slice_n:
-            stream = torch.cuda.current_stream(device).cuda_stream
-            exchange, counters = workspace(device, stream, self.sms, 1)
-            self.staged((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange, counters,
+            exchange = self.exchange_words(device, torch.cuda.current_stream(device).cuda_stream, self.sms)
+            self.staged((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange,
                         src.stride()[0], dy.stride()[0], dz_stride, M, N)
         elif isinstance(self.cfg, config.StagedConfig):
             self.staged((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride()[0], dy.stride()[0],

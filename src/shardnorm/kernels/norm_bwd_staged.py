@@ -8,9 +8,10 @@ program per SM owns whole rows: it copies a row's x and dy into shared memory ch
 is consumed the same thread copies the next row's chunk into its place, so the loads of row i + 1 are
 in flight during row i's dx pass. The fp32 dgamma/dbeta sums stay in registers (up to half the
 register file: LayerNorm to 16384 columns, RMSNorm to 32768) and go to the same [P, G*N] partial
-buffer and `column_sum_kernel` as the other backwards (deterministic). Rows longer than that take
-`staged_slices_bwd_kernel`: slices of a row on several such programs, in two row slots each, meeting
-through the cooperative backward's exchange.
+buffer and `column_sum_kernel` as the other backwards (deterministic). `staged_slices_bwd_kernel` holds
+rows in two or three row slots, so the next row's copies are issued a whole row ahead; rows longer than one
+SM holds go to several such programs, one slice each, whose partial row sums meet as tagged 64-bit words
+(relaxed stores and polls, no fence, launched cooperatively).
 
 Every thread reads back only the elements it copied itself (one distributed layout for the copies and
 the loads), so a chunk is ready for a thread once its own copy group has landed (the block barriers
@@ -20,6 +21,9 @@ are checked against float64 on the GPU (tests/test_long_rows_staged.py). Shared 
 Hopper (`config.staged`).
 """
 
+import functools
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -27,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 SMEM_BYTES = 227 * 1024  # Hopper's opt-in shared memory per block (config.staged: sm_90 only)
 MAX_CHUNKS = 4  # register sums for up to 4 chunks (below)
 MAX_SUMS = 32768  # fp32 dgamma/dbeta sums per program: half the register file (256 KB)
+EXCHANGE_RING = 4  # rows of tagged words per group in the sliced kernel's exchange (RING >= 2 + 2 * LEAD)
 
 
 def stage_weight(n: int, chunk: int, weight_size: int, slots: int = 1) -> bool:
@@ -244,64 +249,67 @@ def _issue_slot(xs, dys, SRC, DY, row, M, N, stride_src, stride_dy, offs, slot, 
 
 
 @gluon.jit
-def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, COUNTERS, stride_src, stride_dy,
-                             stride_dz, M, N, IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                             HAS_DZ: gl.constexpr, ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr,
-                             STAGE_W: gl.constexpr, SLICES: gl.constexpr, RING: gl.constexpr):
+def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, stride_src, stride_dy, stride_dz, M, N,
+                             IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DZ: gl.constexpr,
+                             ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr,
+                             STAGE_W: gl.constexpr, SLICES: gl.constexpr, RING: gl.constexpr, SLOTS: gl.constexpr):
     """Rows longer than one SM holds: program (slice c, group g) stages columns [c * CHUNKS * CHUNK, +CHUNKS *
-    CHUNK) of rows g, g + G, ... in two row slots (the next row's copies in flight during this row's work and
-    its wait), and the slices of a row meet through the cooperative backward's exchange (norm_bwd_coop.py:
-    publish with a release count, wait with acquire, partials added in slice order; launched cooperatively).
-    SLICES: next_pow2 of the slice count."""
+    CHUNK) of rows g, g + G, ... in SLOTS row slots, and the slices of a row meet through tagged words
+    (`_publish_row`, `_await_row`; partials added in slice order; launched cooperatively, so every slice is
+    resident). SLOTS = 2: a row's sums are published and awaited in turn, the next row's copies in flight
+    meanwhile. SLOTS = 3: row i + 1's sums are taken and published before row i's are awaited, so the
+    exchange's round trip is covered by a pass over a row (the row after that in flight). SLICES: next_pow2 of
+    the slice count; 1: whole rows, no exchange (the next row's copies in flight during a row's work, where
+    `staged_bwd_kernel` has only its chunks'). EXCHANGE: `exchange_words`."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
     gl.static_assert(CHUNKS <= 4)  # MAX_CHUNKS
+    gl.static_assert((SLOTS == 2) or (SLOTS == 3))
+    LEAD: gl.constexpr = SLOTS - 2  # rows whose sums are published ahead of the one being written
+    gl.static_assert(RING >= 2 + 2 * LEAD)  # _await_row: a ring slot is read by every slice before reuse
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
-    sums_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     staged: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    xs = gl.allocate_shared_memory(SRC.dtype.element_ty, [2 * CHUNKS, CHUNK], staged)
-    dys = gl.allocate_shared_memory(DY.dtype.element_ty, [2 * CHUNKS, CHUNK], staged)
+    xs = gl.allocate_shared_memory(SRC.dtype.element_ty, [SLOTS * CHUNKS, CHUNK], staged)
+    dys = gl.allocate_shared_memory(DY.dtype.element_ty, [SLOTS * CHUNKS, CHUNK], staged)
     slice_id = gl.program_id(0)
     num_slices = gl.num_programs(0)
     group = gl.program_id(1)
     groups = gl.num_programs(1)
+    words = EXCHANGE + groups + group * RING * 2 * num_slices  # the group's ring: [RING, 2, slices]
     offs = slice_id * (CHUNKS * CHUNK) + gl.arange(0, CHUNK, layout=layout)
     ws = _staged_weight(W, xs, offs, N, staged, CHUNKS, CHUNK, STAGE_W)
     zero = gl.zeros([CHUNK], gl.float32, layout)
     dw0, dw1, dw2, dw3 = zero, zero, zero, zero
     db0, db1, db2, db3 = zero, zero, zero, zero
     steps = (M - group + groups - 1) // groups
-    _issue_slot(xs, dys, SRC, DY, group, M, N, stride_src, stride_dy, offs, 0, CHUNKS, CHUNK)
+    for s in gl.static_range(SLOTS - 1):
+        _issue_slot(xs, dys, SRC, DY, group + s * groups, M, N, stride_src, stride_dy, offs, s, CHUNKS, CHUNK)
+    mean, rstd, part1, part2 = 0.0, 0.0, 0.0, 0.0
+    if LEAD:  # row 0's sums taken (and published) before the loop, which then runs one row ahead
+        mean, rstd, part1, part2 = _publish_row(xs, dys, ws, W, MEAN, RSTD, words, group, 0, slice_id, num_slices,
+                                                offs, N, zero, layout, 0, CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT,
+                                                ZERO_CENTERED, STAGE_W, SLICES, RING)
     for step in range(0, steps):
         row = group + step * groups
-        slot = step % 2
-        _issue_slot(xs, dys, SRC, DY, row + groups, M, N, stride_src, stride_dy, offs, 1 - slot, CHUNKS, CHUNK)
-        # this row's chunks as they land; the next row's copies (CHUNKS groups) may still be in flight
-        mean, rstd, sum_xwdy, sum_wdy = _row_terms(xs, dys, ws, W, MEAN, RSTD, row, slot * CHUNKS, offs, N, zero, layout,
-                                                   CHUNKS, CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
-        # This slice's partial row sums into the exchange ring, then the row's, added in slice order.
-        ring = step % RING
-        at = EXCHANGE + (group * RING + ring) * 2 * num_slices
-        if IS_RMS:
-            gl.store(at + slice_id, gl.sum(sum_xwdy, axis=0))
+        slot = step % SLOTS
+        _issue_slot(xs, dys, SRC, DY, row + (SLOTS - 1) * groups, M, N, stride_src, stride_dy, offs,
+                    (step + SLOTS - 1) % SLOTS, CHUNKS, CHUNK)
+        if LEAD:
+            mean_next, rstd_next, part1_next, part2_next = mean, rstd, part1, part2
+            if step + 1 < steps:
+                mean_next, rstd_next, part1_next, part2_next = _publish_row(
+                    xs, dys, ws, W, MEAN, RSTD, words, group, step + 1, slice_id, num_slices, offs, N, zero, layout,
+                    ((step + 1) % SLOTS) * CHUNKS, CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W,
+                    SLICES, RING)
         else:
-            part1, part2 = gl.reduce((sum_xwdy, sum_wdy), 0, _add_pairs)
-            gl.store(at + slice_id, part1)
-            gl.store(at + num_slices + slice_id, part2)
-        gl.thread_barrier()  # every thread's stores before the release below
-        counter = COUNTERS + group * (RING + 1) + ring
-        gl.atomic_add(counter, 1, sem="release", scope="gpu")
-        target = num_slices * (step // RING + 1)
-        seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        gl.thread_barrier()
-        sl = gl.arange(0, SLICES, layout=sums_layout)
-        c1 = gl.sum(gl.load(at + sl, mask=sl < num_slices, other=0.0, cache_modifier=".cg"), axis=0) / N
-        c2 = c1
-        if not IS_RMS:
-            c2 = gl.sum(gl.load(at + num_slices + sl, mask=sl < num_slices, other=0.0, cache_modifier=".cg"),
-                        axis=0) / N
+            mean, rstd, part1, part2 = _publish_row(xs, dys, ws, W, MEAN, RSTD, words, group, step, slice_id,
+                                                    num_slices, offs, N, zero, layout, slot * CHUNKS, CHUNKS, CHUNK,
+                                                    IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W, SLICES, RING)
+        if SLICES > 1:
+            c1, c2 = _await_row(words, step, num_slices, N, SLICES, IS_RMS, RING)
+        else:  # the whole row in this program: its own sums
+            c1 = part1 / N
+            c2 = part2 / N
         dw0, db0 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS, 0, offs, mean, rstd, c1, c2,
                              dw0, db0, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
         if CHUNKS > 1:
@@ -315,11 +323,91 @@ def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, 
             dw3, db3 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS + 3, 3, 3 * CHUNK + offs,
                                  mean, rstd, c1, c2, dw3, db3, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED,
                                  STAGE_W)
+        if LEAD:
+            mean, rstd, part1, part2 = mean_next, rstd_next, part1_next, part2_next
     async_copy.wait_group(0)
     _store_sums(PARTIAL + group.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS)), N, offs, dw0, dw1, dw2, dw3, db0, db1,
                 db2, db3, CHUNKS, CHUNK, HAS_WEIGHT, HAS_BIAS)
-    # The group's last slice out zeroes its counters (every slice is past its last wait then).
-    done = COUNTERS + group * (RING + 1) + RING
-    if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == num_slices - 1:
-        for r in gl.static_range(RING + 1):
-            gl.store(COUNTERS + group * (RING + 1) + r, 0)
+    # The group's last slice out (every slice is past its last read then) zeroes the group's words, so the next
+    # launch (a CUDA graph replay too) starts from tags that match no row.
+    if SLICES > 1:
+        if gl.atomic_add(EXCHANGE + group, 1, sem="acq_rel", scope="gpu") == num_slices - 1:
+            for i in gl.static_range(RING * 2 * SLICES):
+                gl.store(words + i, 0, mask=i < RING * 2 * num_slices)
+            gl.store(EXCHANGE + group, 0)
+
+
+@gluon.jit
+def _publish_row(xs, dys, ws, W, MEAN, RSTD, words, group, step, slice_id, num_slices, offs, N, zero,
+                 layout: gl.constexpr, first, CHUNKS: gl.constexpr, CHUNK: gl.constexpr, IS_RMS: gl.constexpr,
+                 HAS_WEIGHT: gl.constexpr, ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr, SLICES: gl.constexpr,
+                 RING: gl.constexpr):
+    """The group's `step`-th row: its mean and rstd, and this slice's partial row sums (its chunks at `first`
+    as they land; the next rows' copies may be in flight). With several slices each partial goes out in one
+    64-bit word beside its row's tag (step + 1), a relaxed store: no counter to publish, so no release fence
+    (which would wait for this program's copies and stores in flight) and no barrier."""
+    row = group + step * gl.num_programs(1)
+    mean, rstd, sum_xwdy, sum_wdy = _row_terms(xs, dys, ws, W, MEAN, RSTD, row, first, offs, N, zero, layout, CHUNKS,
+                                               CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
+    if IS_RMS:
+        part1 = gl.sum(sum_xwdy, axis=0)
+        part2 = part1
+    else:  # both sums in one reduction
+        part1, part2 = gl.reduce((sum_xwdy, sum_wdy), 0, _add_pairs)
+    if SLICES > 1:
+        at = words + (step % RING) * 2 * num_slices
+        tag = gl.to_tensor(step + 1).to(gl.int64) << 32
+        gl.atomic_xchg(at + slice_id, tag | _bits(part1), sem="relaxed", scope="gpu")
+        if not IS_RMS:
+            gl.atomic_xchg(at + num_slices + slice_id, tag | _bits(part2), sem="relaxed", scope="gpu")
+    return mean, rstd, part1, part2
+
+
+@gluon.jit
+def _await_row(words, step, num_slices, N, SLICES: gl.constexpr, IS_RMS: gl.constexpr, RING: gl.constexpr):
+    """Poll the `step`-th row's words (every thread for itself, all slices' words per round trip) until each
+    carries the row's tag; return mean(xhat * w * dy) and mean(w * dy), the partials added in slice order.
+    A ring slot is published again only after every slice has read it: a slice publishes row i + RING after
+    its wait for row i + RING - 1 - LEAD, so after every slice published that row, which each did after
+    reading row i + RING - 2 - 2 * LEAD >= i."""
+    layout: gl.constexpr = gl.BlockedLayout([SLICES], [32], [gl.num_warps()], [0])
+    at = words + (step % RING) * 2 * num_slices
+    sl = gl.arange(0, SLICES, layout=layout)
+    valid = sl < num_slices
+    tag = gl.to_tensor(step + 1).to(gl.int64) << 32
+    pending = True
+    part1 = gl.zeros([SLICES], gl.int64, layout)
+    part2 = part1
+    while pending:
+        part1 = gl.load(at + sl, mask=valid, other=tag, volatile=True)
+        ready = (part1 >> 32) == (step + 1)
+        if not IS_RMS:
+            part2 = gl.load(at + num_slices + sl, mask=valid, other=tag, volatile=True)
+            ready = ready & ((part2 >> 32) == (step + 1))
+        pending = gl.min(ready.to(gl.int32), axis=0) == 0
+    c1 = gl.sum(_value(part1), axis=0) / N
+    c2 = c1
+    if not IS_RMS:
+        c2 = gl.sum(_value(part2), axis=0) / N
+    return c1, c2
+
+
+@gluon.jit
+def _bits(value):
+    """The fp32 scalar's bits in the low half of an int64."""
+    return value.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF
+
+
+@gluon.jit
+def _value(word):
+    """The fp32 value in the low half of an int64 word."""
+    return (word & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@functools.lru_cache(maxsize=None)
+def exchange_words(device, stream: int, programs: int):
+    """`staged_slices_bwd_kernel`'s exchange for grids of up to `programs` (G * C): int64, per group one
+    last-slice-out counter, then its ring of tagged words ([G] + [G, RING, 2, C] <= programs * (2 * RING + 1)),
+    zeroed once (tag 0 matches no row); the kernel leaves it zero. One per stream: two launches running at once
+    must not share it."""
+    return torch.zeros(programs * (2 * EXCHANGE_RING + 1), dtype=torch.int64, device=device)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 13's GPU runs. Usage: OUT=dir bash benchmarks/gpu_session13.sh STAGE
+#   kernels  the long-row GPU tests of the staged
+#            kernels (sliced backward with two and three row slots, one slice; the one-pass LayerNorm forward),
+#            then gpu_longrow.py's staged candidates at LayerNorm 14336-65536 and RMSNorm 65536
+#   fwd      quack stage_a when .whl/quack_a is carried; TESTS: a -k selection of the staged tests; the staged
+#            forward's variants (longrow_fwd_variants.py: warps x LayerNorm moments in one or two passes)
+#   peers    quack install (call 2, carry .whl/quack_b + Liger), bench_kernels' long rows with every peer
+set -u
+OUT=${OUT:?set OUT}; mkdir -p "$OUT"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
+export PYTHONPATH="$ROOT/src:$ROOT/tests:$ROOT"
+t0=$SECONDS
+box() { local name=$1 secs=$2; shift 2; echo "== [$((SECONDS - t0)) s] $name"
+        timeout -k 5 "$secs" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -8 "$OUT/$name.txt"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+case "${1:-kernels}" in
+  kernels)
+    [ -n "${SKIP_TESTS:-}" ] || box staged_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py \
+        -k "sliced or forward" -rs
+    box staged_sweep 300 python3 benchmarks/gpu_longrow.py --out "$OUT" --timeout 60 \
+        --only "${SHAPES:-layer:14336:bfloat16,layer:16384:bfloat16,layer:32768:bfloat16,layer:65536:bfloat16,rms:65536:bfloat16}" \
+        --candidates "${CANDIDATES:-staged_w32,staged_slices_16384,staged_slices_16384_lead,staged_slices_16384_w16,staged_slices_16384_w16_lead}" ;;
+  fwd)
+    [ -d .whl/quack_a ] && source benchmarks/quack_env.sh stage_a
+    [ -n "${TESTS:-}" ] && box tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py -k "$TESTS" -rs
+    box fwd_variants 200 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/fwd_variants.json" ;;
+  peers)
+    source benchmarks/quack_env.sh install || exit 1
+    box longrow_peers 560 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \
+        --out "$OUT/longrow_peers.json" ;;
+esac
+echo "== [$((SECONDS - t0)) s] done"
+# at most 8 files come back from a call: one archive (PACK=1)
+[ -n "${PACK:-}" ] && tar -C "$OUT" -czf /tmp/session13.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/session13.tgz "$OUT/"
