@@ -5,6 +5,7 @@
 #            then gpu_longrow.py's staged candidates at LayerNorm 14336-65536 and RMSNorm 65536
 #   fwd      quack stage_a when .whl/quack_a is carried; TESTS: a -k selection of the staged tests; the staged
 #            forward's variants (longrow_fwd_variants.py: warps x LayerNorm moments in one or two passes)
+#   final    quack stage_a (carry .whl/quack_a), the final code's long-row GPU tests and the table's configs
 #   peers    quack install (call 2, carry .whl/quack_b + Liger), bench_kernels' long rows with every peer
 set -u
 OUT=${OUT:?set OUT}; mkdir -p "$OUT"
@@ -27,6 +28,13 @@ case "${1:-kernels}" in
     [ -d .whl/quack_a ] && source benchmarks/quack_env.sh stage_a
     [ -n "${TESTS:-}" ] && box tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py -k "$TESTS" -rs
     box fwd_variants 200 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/fwd_variants.json" ;;
+  final)  # quack stage_a when carried (call 1 of 2), the final code's long-row GPU tests, the table's configs swept
+    [ -d .whl/quack_a ] && source benchmarks/quack_env.sh stage_a
+    box final_tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py \
+        tests/test_long_rows_coop.py -rs
+    box final_sweep 200 python3 benchmarks/gpu_longrow.py --out "$OUT" --timeout 60 \
+        --only layer:14336:bfloat16,layer:16384:bfloat16,layer:32768:bfloat16,layer:65536:bfloat16,rms:32768:bfloat16,rms:65536:bfloat16 \
+        --candidates staged_w32,staged_slices_16384_w16,staged_slices_16384_w16_lead ;;
   peers)
     source benchmarks/quack_env.sh install || exit 1
     box longrow_peers 560 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \

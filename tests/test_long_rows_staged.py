@@ -254,13 +254,16 @@ def test_forward_chunked_switch_and_agreement(monkeypatch, rms):
 
 
 @needs_gpu
-@pytest.mark.parametrize("offset", [0.0, 1000.0])
-def test_forward_moments_far_from_zero(monkeypatch, offset):
-    """The one-pass LayerNorm moments (each lane shifted by its own first value) keep the variance of rows whose
-    mean is far from zero against their spread: mean, rstd and y against float64."""
+@pytest.mark.parametrize("offset,first_chunk", [(0.0, 0.0), (1000.0, 0.0), (0.0, 40.0)])
+def test_forward_statistics_far_from_zero(monkeypatch, offset, first_chunk):
+    """The LayerNorm statistics (one pass, shifted by the first chunk's mean) keep the variance of rows whose
+    mean is far from zero against their spread, and of rows whose first chunk sits far from the rest (the
+    shift's worst case): mean, rstd and y against float64."""
     monkeypatch.delenv("SHARDNORM_LONG_FWD", raising=False)
     fwd_module._plan.cache_clear()
-    x = (torch.randn(300, 65536, device="cuda", dtype=torch.float32) * 8 + offset).to(torch.bfloat16)
+    x = torch.randn(300, 65536, device="cuda", dtype=torch.float32) * 8 + offset
+    x[:, :config.STAGED_FWD.chunk] += first_chunk * 8
+    x = x.to(torch.bfloat16)
     w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(w)
     assert fwd_module._plan(65536, 2, True, True, False, False, False, x.device, False).staged is not None

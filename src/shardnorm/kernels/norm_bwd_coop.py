@@ -153,4 +153,3 @@ def workspace(device: torch.device, stream: int, programs: int, block_m: int) ->
     must not share counters."""
     exchange = torch.empty(programs * RING * 2 * block_m, dtype=torch.float32, device=device)
     return exchange, torch.zeros(programs * (RING + 1), dtype=torch.int32, device=device)
-

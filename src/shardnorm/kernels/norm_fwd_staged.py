@@ -3,11 +3,11 @@
 Above 32768 columns a row does not fit one program's registers and the `tl` forward reads it twice
 (statistics, then y: 67 % of copy at best, 76-78 % with L2 hits). Here one persistent program per SM
 copies a row of x into shared memory chunk by chunk with `cp.async` (a 65536-column bf16 row is 128 KB),
-takes the statistics from there (LayerNorm: mean, then the centered sum of squares, as the one-pass
-kernel does), and writes y; as each chunk is consumed in that last pass the same thread copies the next
-row's chunk into its place. The weight and bias come from L2, each chunk's loaded one chunk ahead.
+takes the statistics as the chunks land (LayerNorm's in one pass too, `_shifted_moments`) and writes y; as
+each chunk is consumed in that last pass the same thread copies the next row's chunk into its place. The weight and bias come from L2, each chunk's loaded one chunk ahead.
 Same staging as the backward (`norm_bwd_staged.py`); Gluon does not run under TRITON_INTERPRET, so CI
-checks the chunked `tl` forward, the same math, and the GPU tests this one (tests/test_long_rows_staged.py).
+checks the chunked `tl` forward (the same result to fp32 rounding) and the GPU tests this one
+(tests/test_long_rows_staged.py).
 """
 
 from triton.experimental import gluon
@@ -46,6 +46,33 @@ def _params(W, B, cols, col_mask, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constex
 
 
 @gluon.jit
+def _shifted_moments(xs, offs, N, zero, layout: gl.constexpr, CHUNKS: gl.constexpr, CHUNK: gl.constexpr):
+    """A LayerNorm row's mean and variance in one pass over its chunks in shared memory: sums of x - K and
+    (x - K)^2 with K the mean of chunk 0 (reduced while the later chunks are still landing). The variance
+    E[d^2] - E[d]^2 loses at most log2(N / CHUNK) bits to cancellation: chunk 0's squared deviations from the
+    row mean are at least CHUNK (K - mean)^2 and at most N var, so (K - mean)^2 <= (N / CHUNK) var."""
+    async_copy.wait_group(CHUNKS - 1)
+    first = xs.index(0).load(layout).to(gl.float32)  # zero-filled past N
+    shift = gl.sum(first, axis=0) / gl.minimum(N, CHUNK)
+    d = gl.where(offs < N, first - shift, 0.0)
+    s1 = d
+    s2 = d * d
+    for c in gl.static_range(1, CHUNKS):
+        async_copy.wait_group(CHUNKS - 1 - c)
+        d = gl.where(c * CHUNK + offs < N, xs.index(c).load(layout).to(gl.float32) - shift, 0.0)
+        s1 += d
+        s2 += d * d
+    t1, t2 = gl.reduce((s1, s2), 0, _add_pairs)
+    d_mean = t1 / N
+    return shift + d_mean, gl.maximum(t2 / N - d_mean * d_mean, 0.0)
+
+
+@gluon.jit
+def _add_pairs(a, b, c, d):
+    return a + c, b + d
+
+
+@gluon.jit
 def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
                       IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr):
@@ -61,26 +88,17 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
     for c in gl.static_range(CHUNKS):
         _issue_x(xs, X, pid, M, N, stride_x, offs, c, CHUNK)
     for row in range(pid, M, programs):
-        # Statistics, each chunk as soon as its copy has landed (zero-filled past N). LayerNorm: the mean,
-        # then the centered sum of squares from shared memory again, as the one-pass kernel does.
-        total = zero
-        for c in gl.static_range(CHUNKS):
-            async_copy.wait_group(CHUNKS - 1 - c)
-            x = xs.index(c).load(layout).to(gl.float32)
-            if IS_RMS:
-                total += x * x
-            else:
-                total += x
+        # Statistics, each chunk as soon as its copy has landed (zero-filled past N).
         mean = 0.0
         if IS_RMS:
+            total = zero
+            for c in gl.static_range(CHUNKS):
+                async_copy.wait_group(CHUNKS - 1 - c)
+                x = xs.index(c).load(layout).to(gl.float32)
+                total += x * x
             var = gl.sum(total, axis=0) / N
         else:
-            mean = gl.sum(total, axis=0) / N
-            m2 = zero
-            for c in gl.static_range(CHUNKS):
-                centered = gl.where(c * CHUNK + offs < N, xs.index(c).load(layout).to(gl.float32) - mean, 0.0)
-                m2 += centered * centered
-            var = gl.sum(m2, axis=0) / N
+            mean, var = _shifted_moments(xs, offs, N, zero, layout, CHUNKS, CHUNK)
         rstd = 1.0 / gl.sqrt(var + eps)
         # y; the parameters of chunk c + 1 are in flight while chunk c is written.
         row64 = row.to(gl.int64)
