@@ -2,14 +2,9 @@
 # Session 10's H100 run (issue 18: compile fusion). Step 1: the GPU tests of the kernels, modules, ops and the
 # new Inductor pass; step 2: the HF decoder benchmark (eager and compile, native / shardnorm / unfused / liger).
 # Usage: OUT=dir bash benchmarks/gpu_session10.sh tests|hf|fusion|final    (liger from .whl/ into /tmp/site)
-set -u
-OUT=${OUT:?set OUT}; mkdir -p "$OUT"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl > /dev/null 2>&1
-export PYTHONPATH="$ROOT/src:$ROOT/tests:$ROOT:/tmp/site" PYTHONUNBUFFERED=1
-t0=$SECONDS
-box() { local name=$1 secs=$2; shift 2; echo "== [$((SECONDS - t0)) s] $name"
-        timeout -k 5 "$secs" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -4 "$OUT/$name.txt"; }
+export PYTHONPATH="$ROOT/src:$ROOT/tests:$ROOT:/tmp/site"
 case "${1:-tests}" in
   tests)
     box gpu_tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fusion.py tests/test_kernels.py \

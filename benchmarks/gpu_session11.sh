@@ -8,13 +8,7 @@
 #   confirm  after REREAD's removal: the long-row backward's GPU tests, then the HF decoders again
 #   long     the HF decoders with 6 rounds (90 interleaved steps per variant): compiled shardnorm vs native
 #   mainjob  the main job compiled on one GPU (tp=1): torch norms / shardnorm / shardnorm without the passes
-set -u
-OUT=${OUT:?set OUT}; mkdir -p "$OUT"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
-t0=$SECONDS
-box() { local name=$1 secs=$2; shift 2; echo "== [$((SECONDS - t0)) s] $name"
-        timeout -k 5 "$secs" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -6 "$OUT/$name.txt"; }
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 liger() { python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl > /dev/null 2>&1
           export PYTHONPATH="$ROOT/src:$ROOT/tests:$ROOT:/tmp/site"; }
 case "${1:-tests}" in

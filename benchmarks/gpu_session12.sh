@@ -8,16 +8,8 @@
 #   fwd      the staged forward: its GPU tests, then bench_kernels' long rows (peers but quack, which takes two
 #            calls to install; its numbers from `longrow`) and shardnorm alone with SHARDNORM_LONG_FWD=chunked
 #   host     host time per call (benchmarks/host_time.py), and the kernel tests of the changed launch path
-set -u
-OUT=${OUT:?set OUT}; mkdir -p "$OUT"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
-export PYTHONPATH="$ROOT/src:$ROOT/tests:$ROOT"
-t0=$SECONDS
-box() { local name=$1 secs=$2; shift 2; echo "== [$((SECONDS - t0)) s] $name"
-        timeout -k 5 "$secs" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -8 "$OUT/$name.txt"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
+gpu_versions
 case "${1:-staged}" in
   staged)
     [ -n "${SKIP_TESTS:-}" ] || box staged_tests 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_long_rows_staged.py -rs

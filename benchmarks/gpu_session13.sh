@@ -7,16 +7,8 @@
 #            forward's variants (longrow_fwd_variants.py: warps x LayerNorm moments in one or two passes)
 #   final    quack stage_a (carry .whl/quack_a), the final code's long-row GPU tests and the table's configs
 #   peers    quack install (call 2, carry .whl/quack_b + Liger), bench_kernels' long rows with every peer
-set -u
-OUT=${OUT:?set OUT}; mkdir -p "$OUT"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
-export PYTHONPATH="$ROOT/src:$ROOT/tests:$ROOT"
-t0=$SECONDS
-box() { local name=$1 secs=$2; shift 2; echo "== [$((SECONDS - t0)) s] $name"
-        timeout -k 5 "$secs" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -8 "$OUT/$name.txt"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
+gpu_versions
 case "${1:-kernels}" in
   kernels)
     [ -n "${SKIP_TESTS:-}" ] || box staged_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py \
