@@ -260,6 +260,7 @@ def main(argv=None):
     parser.add_argument("--providers", type=comma_list(PROVIDERS), default=list(PROVIDERS),
                         help="only these, comma list of " + ", ".join(PROVIDERS) + " (default all)")
     parser.add_argument("--min-n", type=int, default=0, help="only shapes with N at least this")
+    parser.add_argument("--max-n", type=int, default=1 << 30, help="only shapes with N at most this")
     parser.add_argument("--repeats", type=int, default=3, help="timing rounds over all providers; best median kept")
     args = parser.parse_args(argv)
     groups = args.shapes or (["genai"] if args.quick else ["genai", "llama", "qk"])
@@ -275,7 +276,7 @@ def main(argv=None):
     rows = []
     for norm in args.norms.split(","):
         # groups overlap (longrow's shapes are in genai and llama): each shape once, in group order
-        shapes = dict.fromkeys(shape for g in groups for shape in SHAPE_GROUPS[g][norm] if shape[1] >= args.min_n)
+        shapes = dict.fromkeys(shape for g in groups for shape in SHAPE_GROUPS[g][norm] if args.min_n <= shape[1] <= args.max_n)
         for wd in weights:
             for m, n in shapes:
                 print(f"{norm} M={m} N={n} weight={wd}", flush=True)

@@ -6,6 +6,7 @@
 #   fwd      quack stage_a when .whl/quack_a is carried; TESTS: a -k selection of the staged tests; the staged
 #            forward's variants (longrow_fwd_variants.py: warps x LayerNorm moments in one or two passes)
 #   final    quack stage_a (carry .whl/quack_a), the final code's long-row GPU tests and the table's configs
+#   small    small N with the peers but quack (carry the Liger wheel) and host time per call, for an H200
 #   peers    quack install (call 2, carry .whl/quack_b + Liger), bench_kernels' long rows with every peer
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 gpu_versions
@@ -27,6 +28,12 @@ case "${1:-kernels}" in
     box final_sweep 200 python3 benchmarks/gpu_longrow.py --out "$OUT" --timeout 60 \
         --only layer:14336:bfloat16,layer:16384:bfloat16,layer:32768:bfloat16,layer:65536:bfloat16,rms:32768:bfloat16,rms:65536:bfloat16 \
         --candidates staged_w32,staged_slices_16384_w16,staged_slices_16384_w16_lead ;;
+  small)  # small N (QK-norm rows and N = 1024) with the peers but quack, and host time per call (an H200)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl > /dev/null 2>&1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    box small_n 330 python3 benchmarks/bench_kernels.py --shapes genai,qk --max-n 1024 --weights bfloat16 \
+        --providers shardnorm,torch,torch.compile,liger --out "$OUT/small_n.json"
+    box host_time 200 python3 benchmarks/host_time.py --shapes 8x4096 8x1024 --out "$OUT/host_time" ;;
   peers)
     source benchmarks/quack_env.sh install || exit 1
     box longrow_peers 560 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \
