@@ -1,7 +1,7 @@
 """The staged long-row forward's variants on one GPU (issue 22): warps per program.
 
 `staged_fwd_kernel` launched directly (as its plan would, one program per SM) at each num_warps (session 13
-also compared LayerNorm's statistics in one and two passes with it, benchmarks/NOTES.md v16): y, mean and rstd checked against float64 on sampled rows, then timed with do_bench_cudagraph (GPU
+also compared LayerNorm's statistics in one and two passes, and y as one multiply-add, with it: NOTES.md v16): y, mean and rstd checked against float64 on sampled rows, then timed with do_bench_cudagraph (GPU
 time) and do_bench (best of 3 medians), the device-to-device copy measured in the same run. Bytes: read x,
 write y (2 x M x N x 2; the parameters and statistics are not counted, as in bench_kernels.py).
 

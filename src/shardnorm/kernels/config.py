@@ -235,13 +235,14 @@ COOP_BWD = {(16384, 2, False): _COOP_LN, (32768, 2, False): _COOP_LN, (65536, 2,
 COOP_BWD_DEFAULT = _COOP_LN
 # The staged backward (Gluon), where the row fits (norm_bwd_staged.fits) and a call's rows are 16-byte
 # aligned; the plan falls back to COOP_BWD / the split backward otherwise. H100, bf16, % of copy (GPU time,
-# results/h100-2026-11-25-s13, same run as the cooperative and split paths' 61-78%):
+# results/h100-2026-11-25-s13/staged_sweep; the split backward 61% in the same runs, the cooperative 62-78% in
+# session 12's):
 # - whole rows in one slot (`staged_bwd_kernel`, 32 warps): RMSNorm 32768 92%. `SHARDNORM_LONG_BWD=staged`
 #   runs it for every long row it can take.
 # - whole rows in two slots, the next row's copies a row ahead (one 16384-column slice, 16 warps: 128
-#   registers a thread, where 32 warps spill LayerNorm's dgamma/dbeta sums): LayerNorm 14336 87%, 16384 96%.
+#   registers a thread, where 32 warps spill LayerNorm's dgamma/dbeta sums): LayerNorm 14336 87-88%, 16384 96%.
 # - 16384-column slices in three slots, the next row's sums published before this row's are awaited, tagged
-#   words for the exchange: LayerNorm 32768 87%, 65536 85%, RMSNorm 65536 92%.
+#   words for the exchange: LayerNorm 32768 87-88%, 65536 85%, RMSNorm 65536 92-93%.
 STAGED_BWD_DEFAULT = StagedConfig(num_warps=32)
 _STAGED_TWO_SLOTS = StagedConfig(num_warps=16, slice_n=16384)
 _STAGED_SLICES = StagedConfig(num_warps=16, slice_n=16384, slots=3)

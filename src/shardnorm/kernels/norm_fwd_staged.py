@@ -112,12 +112,11 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
             x = xs.index(c).load(layout).to(gl.float32)
             if IS_RMS:
                 y = x * rstd
-            else:
-                y = (x - mean) * rstd
-            if HAS_WEIGHT:
-                y = y * w
-            if HAS_BIAS:
-                y = y + b
+                if HAS_WEIGHT:
+                    y = y * w
+            else:  # one multiply-add an element: (x - mean) * rstd * w + b = x * scale + (b - mean * scale)
+                scale = rstd * w
+                y = x * scale + (b - mean * scale)
             gl.store(Y + row64 * N + cols, y.to(Y.dtype.element_ty), mask=col_mask)
             _issue_x(xs, X, row + programs, M, N, stride_x, offs, c, CHUNK)
         if not IS_RMS:
