@@ -276,7 +276,8 @@ def main(argv=None):
     rows = []
     for norm in args.norms.split(","):
         # groups overlap (longrow's shapes are in genai and llama): each shape once, in group order
-        shapes = dict.fromkeys(shape for g in groups for shape in SHAPE_GROUPS[g][norm] if args.min_n <= shape[1] <= args.max_n)
+        shapes = dict.fromkeys(shape for g in groups for shape in SHAPE_GROUPS[g][norm]
+                               if args.min_n <= shape[1] <= args.max_n)
         for wd in weights:
             for m, n in shapes:
                 print(f"{norm} M={m} N={n} weight={wd}", flush=True)

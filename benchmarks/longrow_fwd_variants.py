@@ -1,9 +1,11 @@
 """The staged long-row forward's variants on one GPU (issue 22): warps per program.
 
 `staged_fwd_kernel` launched directly (as its plan would, one program per SM) at each num_warps (session 13
-also compared LayerNorm's statistics in one and two passes, and y as one multiply-add, with it: NOTES.md v16): y, mean and rstd checked against float64 on sampled rows, then timed with do_bench_cudagraph (GPU
-time) and do_bench (best of 3 medians), the device-to-device copy measured in the same run. Bytes: read x,
-write y (2 x M x N x 2; the parameters and statistics are not counted, as in bench_kernels.py).
+also compared LayerNorm's statistics in one and two passes, y as one multiply-add and maskless even rows with
+it: NOTES.md v16): y, mean and rstd checked against float64 on sampled rows, then timed with
+do_bench_cudagraph (GPU time) and do_bench (best of 3 medians), the device-to-device copy measured in the
+same run. Bytes: read x, write y (2 x M x N x 2; the parameters and statistics are not counted, as in
+bench_kernels.py).
 
     python benchmarks/longrow_fwd_variants.py --out OUT.json [--n 65536] [--m 32768]
 """
@@ -50,7 +52,7 @@ def main():
     m, n = args.m, args.n
     torch.manual_seed(n)
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2 + 0.5
-    x[:, : n // 8] += 40  # a first chunk far from the row's mean: the one-pass variance's worst case (norm_fwd_staged._shifted_moments)
+    x[:, : n // 8] += 40  # chunk 0 far from the row's mean: the worst case of norm_fwd_staged._shifted_moments
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     rows = sorted({*range(256), *range(m // 2, m // 2 + 256), *range(m - 256, m)})

@@ -154,7 +154,8 @@ SLICED = {"slices_16384": S(32, slice_n=16384), "slices_8192": S(32, slice_n=819
           "slices_16384_w16_lead": S(16, slice_n=16384, slots=3)}
 SLICED_SHAPES = [(14336, 301), (16384, 301), (32768, 1), (40000, 301), (65536, 77)]
 SLICED_CASES = [(name, n, rows) for name in SLICED for n, rows in SLICED_SHAPES
-                if name in ("slices_16384", "slices_16384_w16_lead") or (n, rows) in ((16384, 301), (40000, 301), (65536, 77))]
+                if name in ("slices_16384", "slices_16384_w16_lead")
+                or (n, rows) in ((16384, 301), (40000, 301), (65536, 77))]
 
 
 @needs_gpu

@@ -250,8 +250,8 @@ def _issue_slot(xs, dys, SRC, DY, row, M, N, stride_src, stride_dy, offs, slot, 
 
 @gluon.jit
 def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, stride_src, stride_dy, stride_dz, M, N,
-                             IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DZ: gl.constexpr,
-                             ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr,
+                             IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                             HAS_DZ: gl.constexpr, ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr,
                              STAGE_W: gl.constexpr, SLICES: gl.constexpr, RING: gl.constexpr, SLOTS: gl.constexpr):
     """Rows longer than one SM holds: program (slice c, group g) stages columns [c * CHUNKS * CHUNK, +CHUNKS *
     CHUNK) of rows g, g + G, ... in SLOTS row slots, and the slices of a row meet through tagged words

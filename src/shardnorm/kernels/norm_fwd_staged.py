@@ -4,7 +4,8 @@ Above 32768 columns a row does not fit one program's registers and the `tl` forw
 (statistics, then y: 67 % of copy at best, 76-78 % with L2 hits). Here one persistent program per SM
 copies a row of x into shared memory chunk by chunk with `cp.async` (a 65536-column bf16 row is 128 KB),
 takes the statistics as the chunks land (LayerNorm's in one pass too, `_shifted_moments`) and writes y; as
-each chunk is consumed in that last pass the same thread copies the next row's chunk into its place. The weight and bias come from L2, each chunk's loaded one chunk ahead.
+each chunk is consumed in that last pass the same thread copies the next row's chunk into its place. The
+weight and bias come from L2, each chunk's loaded one chunk ahead.
 Same staging as the backward (`norm_bwd_staged.py`); Gluon does not run under TRITON_INTERPRET, so CI
 checks the chunked `tl` forward (the same result to fp32 rounding) and the GPU tests this one
 (tests/test_long_rows_staged.py).
