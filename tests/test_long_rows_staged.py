@@ -195,6 +195,24 @@ def test_sliced_deterministic_and_graph_replay(monkeypatch, force, rms, name):
     assert exchanges and all(int(words.abs().sum()) == 0 for words in exchanges)
 
 
+@pytest.mark.parametrize("n,rms", [(16384, False), (65536, False), (65536, True)])
+def test_zero_rows(monkeypatch, n, rms):
+    """No rows: zero dgamma/dbeta and an empty dx, whichever long-row path the table picks (the staged kernels
+    hand M = 0 to the plan without them: the three-slot one takes its first row's sums before its loop)."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    monkeypatch.delenv("SHARDNORM_LONG_BWD", raising=False)
+    bwd_module._plan.cache_clear()
+    device = backend_device("triton")
+    x = torch.randn(0, n, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, device=device, dtype=torch.bfloat16)
+    b = None if rms else torch.randn_like(w)
+    _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-5, rms, False)
+    dx, dw, db = bwd_module.norm_bwd(torch.randn_like(x), None, x, w, mean, rstd, b is not None, rms, False)
+    bwd_module._plan.cache_clear()
+    assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(w))
+    assert db is None if rms else torch.equal(db, torch.zeros_like(b))
+
+
 # ---- the staged forward (`kernels/norm_fwd_staged.py`) ----
 
 fwd_module = sys.modules["shardnorm.kernels.norm_fwd"]

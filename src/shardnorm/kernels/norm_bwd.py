@@ -297,8 +297,8 @@ class _BwdPlan:
 
     def __call__(self, dy, dz, src, weight, mean, rstd, dy_terms=()):
         M, N = src.shape
-        if isinstance(self.cfg, config.StagedConfig) and not _stageable(src, dy, weight, dy_terms):
-            return self.wide_rows()(dy, dz, src, weight, mean, rstd, dy_terms)
+        if isinstance(self.cfg, config.StagedConfig) and not (M and _stageable(src, dy, weight, dy_terms)):
+            return self.wide_rows()(dy, dz, src, weight, mean, rstd, dy_terms)  # (no rows: zero partials there)
         if dy_terms and not self.one_pass:  # long rows: the split and cooperative kernels read one dy (fp32)
             dy = sum((t.float() for t in dy_terms), dy.float())
         device = src.device
