@@ -277,11 +277,12 @@ class _BwdPlan:
 
         cfg = self.cfg
         chunk = cfg.chunk
+        if not (self.num_grads > 0 and self.n % 16 == 0):
+            return False
         if cfg.slice_n:  # whole chunks per slice in its row slots, every slice's program resident
-            return (self.num_grads > 0 and self.n % 16 == 0 and cfg.slice_n % chunk == 0 and
-                    config.cdiv(self.n, cfg.slice_n) <= self.sms and  # the slots: as one slot of wider rows
-                    fits(cfg.slice_n, chunk, 2 * cfg.slots, 2 * cfg.slots, self.num_grads))
-        return self.num_grads > 0 and self.n % 16 == 0 and fits(self.n, chunk, 2, 2, self.num_grads)
+            return (cfg.slice_n % chunk == 0 and config.cdiv(self.n, cfg.slice_n) <= self.sms and
+                    fits(cfg.slice_n, chunk, 2 * cfg.slots, 2 * cfg.slots, self.num_grads))  # slots: wider rows
+        return fits(self.n, chunk, 2, 2, self.num_grads)
 
     # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
     # left out of the launch keys; their dtypes are fixed by src and the plan.

@@ -84,29 +84,12 @@ def staged_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, stride_src, strid
         # Pass 1: the row sums, each chunk as soon as its copy has landed.
         mean, rstd, sum_xwdy, sum_wdy = _row_terms(xs, dys, ws, W, MEAN, RSTD, row, 0, offs, N, zero, layout, 0, CHUNKS,
                                                    CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
-        if IS_RMS:
-            c1 = gl.sum(sum_xwdy, axis=0) / N
-            c2 = c1
-        else:  # both sums in one reduction: one exchange through shared memory, not two
-            c1, c2 = gl.reduce((sum_xwdy, sum_wdy), 0, _add_pairs)
-            c1 = c1 / N
-            c2 = c2 / N
+        part1, part2 = _row_sums(sum_xwdy, sum_wdy, IS_RMS)
         # Pass 2: dx and the parameter grads; each consumed chunk's slot takes the next row's chunk.
-        dw0, db0 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz,
-                                 offs, mean, rstd, c1, c2, dw0, db0, 0, layout, CHUNK, IS_RMS, HAS_WEIGHT,
-                                 HAS_DZ, ZERO_CENTERED, STAGE_W)
-        if CHUNKS > 1:
-            dw1, db1 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz,
-                                 offs, mean, rstd, c1, c2, dw1, db1, 1, layout, CHUNK, IS_RMS, HAS_WEIGHT,
-                                 HAS_DZ, ZERO_CENTERED, STAGE_W)
-        if CHUNKS > 2:
-            dw2, db2 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz,
-                                 offs, mean, rstd, c1, c2, dw2, db2, 2, layout, CHUNK, IS_RMS, HAS_WEIGHT,
-                                 HAS_DZ, ZERO_CENTERED, STAGE_W)
-        if CHUNKS > 3:
-            dw3, db3 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz,
-                                 offs, mean, rstd, c1, c2, dw3, db3, 3, layout, CHUNK, IS_RMS, HAS_WEIGHT,
-                                 HAS_DZ, ZERO_CENTERED, STAGE_W)
+        dw0, dw1, dw2, dw3, db0, db1, db2, db3 = _dx_row(
+            xs, dys, ws, SRC, DY, DZ, W, DX, row, row + programs, M, N, stride_src, stride_dy, stride_dz, offs, 0,
+            mean, rstd, part1 / N, part2 / N, dw0, dw1, dw2, dw3, db0, db1, db2, db3, layout, CHUNKS, CHUNK, IS_RMS,
+            HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W, True)
     async_copy.wait_group(0)  # the last (empty) copies, before the program's shared memory goes
     _store_sums(PARTIAL + pid.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS)), N, offs, dw0, dw1, dw2, dw3, db0, db1, db2,
                 db3, CHUNKS, CHUNK, HAS_WEIGHT, HAS_BIAS)
@@ -136,21 +119,59 @@ def _row_terms(xs, dys, ws, W, MEAN, RSTD, row, first, offs, N, zero, layout: gl
 
 
 @gluon.jit
-def _add_pairs(a, b, c, d):
+def add_pairs(a, b, c, d):
+    """Combine of a reduction over pairs of sums (one exchange through shared memory for two sums)."""
     return a + c, b + d
 
 
 @gluon.jit
-def _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, programs, M, N, stride_src, stride_dy, stride_dz, offs, mean, rstd, c1,
-              c2, dw, db, c: gl.constexpr, layout: gl.constexpr, CHUNK: gl.constexpr, IS_RMS: gl.constexpr,
-              HAS_WEIGHT: gl.constexpr, HAS_DZ: gl.constexpr, ZERO_CENTERED: gl.constexpr,
-              STAGE_W: gl.constexpr):
-    """Chunk c of the row's dx, its dgamma / dbeta terms added to (dw, db); then the chunk's slot takes
-    the next row's chunk."""
-    cols = c * CHUNK + offs
-    dw, db = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, c, c, cols, mean, rstd, c1, c2, dw, db, layout,
-                       IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
-    _issue_row(xs, dys, SRC, DY, row + programs, M, N, stride_src, stride_dy, offs, c, CHUNK)
+def _row_sums(sum_xwdy, sum_wdy, IS_RMS: gl.constexpr):
+    """The row's two sums (xhat * w * dy, w * dy) from the lanes' terms; LayerNorm's in one reduction (one
+    exchange through shared memory, not two), RMSNorm's one sum twice."""
+    if IS_RMS:
+        part1 = gl.sum(sum_xwdy, axis=0)
+        part2 = part1
+    else:
+        part1, part2 = gl.reduce((sum_xwdy, sum_wdy), 0, add_pairs)
+    return part1, part2
+
+
+@gluon.jit
+def _dx_row(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz, offs, first, mean,
+            rstd, c1, c2, dw0, dw1, dw2, dw3, db0, db1, db2, db3, layout: gl.constexpr, CHUNKS: gl.constexpr,
+            CHUNK: gl.constexpr, IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_DZ: gl.constexpr,
+            ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr, RECYCLE: gl.constexpr):
+    """The row's dx from its chunks in shared memory at `first`, each chunk's dgamma / dbeta terms added to its
+    own sums (Gluon has no register arrays: one variable per chunk, up to MAX_CHUNKS; absent chunks' stay unused
+    and compile away). RECYCLE: each consumed chunk's slot then takes `next_row`'s chunk."""
+    dw0, db0 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz, offs,
+                         first, mean, rstd, c1, c2, dw0, db0, 0, layout, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ,
+                         ZERO_CENTERED, STAGE_W, RECYCLE)
+    if CHUNKS > 1:
+        dw1, db1 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz,
+                             offs, first, mean, rstd, c1, c2, dw1, db1, 1, layout, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ,
+                             ZERO_CENTERED, STAGE_W, RECYCLE)
+    if CHUNKS > 2:
+        dw2, db2 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz,
+                             offs, first, mean, rstd, c1, c2, dw2, db2, 2, layout, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ,
+                             ZERO_CENTERED, STAGE_W, RECYCLE)
+    if CHUNKS > 3:
+        dw3, db3 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz,
+                             offs, first, mean, rstd, c1, c2, dw3, db3, 3, layout, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ,
+                             ZERO_CENTERED, STAGE_W, RECYCLE)
+    return dw0, dw1, dw2, dw3, db0, db1, db2, db3
+
+
+@gluon.jit
+def _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz, offs, first,
+              mean, rstd, c1, c2, dw, db, c: gl.constexpr, layout: gl.constexpr, CHUNK: gl.constexpr,
+              IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_DZ: gl.constexpr, ZERO_CENTERED: gl.constexpr,
+              STAGE_W: gl.constexpr, RECYCLE: gl.constexpr):
+    """Chunk c of the row's dx (`_dx_row`); returns (dw, db) with its terms added."""
+    dw, db = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, first + c, c, c * CHUNK + offs, mean, rstd, c1, c2,
+                       dw, db, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
+    if RECYCLE:
+        _issue_row(xs, dys, SRC, DY, next_row, M, N, stride_src, stride_dy, offs, c, CHUNK)
     return dw, db
 
 
@@ -310,19 +331,10 @@ def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, 
         else:  # the whole row in this program: its own sums
             c1 = part1 / N
             c2 = part2 / N
-        dw0, db0 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS, 0, offs, mean, rstd, c1, c2,
-                             dw0, db0, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
-        if CHUNKS > 1:
-            dw1, db1 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS + 1, 1, CHUNK + offs, mean,
-                                 rstd, c1, c2, dw1, db1, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
-        if CHUNKS > 2:
-            dw2, db2 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS + 2, 2, 2 * CHUNK + offs,
-                                 mean, rstd, c1, c2, dw2, db2, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED,
-                                 STAGE_W)
-        if CHUNKS > 3:
-            dw3, db3 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, slot * CHUNKS + 3, 3, 3 * CHUNK + offs,
-                                 mean, rstd, c1, c2, dw3, db3, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED,
-                                 STAGE_W)
+        dw0, dw1, dw2, dw3, db0, db1, db2, db3 = _dx_row(
+            xs, dys, ws, SRC, DY, DZ, W, DX, row, row, M, N, stride_src, stride_dy, stride_dz, offs, slot * CHUNKS,
+            mean, rstd, c1, c2, dw0, dw1, dw2, dw3, db0, db1, db2, db3, layout, CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT,
+            HAS_DZ, ZERO_CENTERED, STAGE_W, False)
         if LEAD:
             mean, rstd, part1, part2 = mean_next, rstd_next, part1_next, part2_next
     async_copy.wait_group(0)
@@ -349,11 +361,7 @@ def _publish_row(xs, dys, ws, W, MEAN, RSTD, words, group, step, slice_id, num_s
     row = group + step * gl.num_programs(1)
     mean, rstd, sum_xwdy, sum_wdy = _row_terms(xs, dys, ws, W, MEAN, RSTD, row, first, offs, N, zero, layout, CHUNKS,
                                                CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
-    if IS_RMS:
-        part1 = gl.sum(sum_xwdy, axis=0)
-        part2 = part1
-    else:  # both sums in one reduction
-        part1, part2 = gl.reduce((sum_xwdy, sum_wdy), 0, _add_pairs)
+    part1, part2 = _row_sums(sum_xwdy, sum_wdy, IS_RMS)
     if SLICES > 1:
         at = words + (step % RING) * 2 * num_slices
         tag = gl.to_tensor(step + 1).to(gl.int64) << 32

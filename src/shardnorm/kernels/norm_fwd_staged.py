@@ -15,7 +15,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from .norm_bwd_staged import SMEM_BYTES
+from .norm_bwd_staged import SMEM_BYTES, add_pairs
 
 
 def fits(n: int, chunk: int, x_size: int) -> bool:
@@ -63,14 +63,9 @@ def _shifted_moments(xs, offs, N, zero, layout: gl.constexpr, CHUNKS: gl.constex
         d = gl.where(c * CHUNK + offs < N, xs.index(c).load(layout).to(gl.float32) - shift, 0.0)
         s1 += d
         s2 += d * d
-    t1, t2 = gl.reduce((s1, s2), 0, _add_pairs)
+    t1, t2 = gl.reduce((s1, s2), 0, add_pairs)
     d_mean = t1 / N
     return shift + d_mean, gl.maximum(t2 / N - d_mean * d_mean, 0.0)
-
-
-@gluon.jit
-def _add_pairs(a, b, c, d):
-    return a + c, b + d
 
 
 @gluon.jit
