@@ -48,9 +48,8 @@ def candidates() -> dict:
         "coop_16384x1_w32": coop(16384, 1, 32),
         "coop_16384x1_w16": coop(16384, 1, 16),
         "coop_8192x2_w32": coop(8192, 2, 32),
-        # session 12: the row staged in shared memory (Gluon), where it fits (LayerNorm to 16384 columns)
-        "staged_w16": config.StagedConfig(16),
-        "staged_w32": config.StagedConfig(32),
+        # session 12: the row staged in shared memory (Gluon), in slices of a row (session 12's whole rows in one
+        # slot, staged_w16 / staged_w32 / staged_w16_v16 / staged_w8_v32, were removed in session 14)
         "staged_slices_16384": config.StagedConfig(32, slice_n=16384),
         "staged_slices_8192": config.StagedConfig(32, slice_n=8192),
         # session 13: three row slots, the next row's sums published before this row's are awaited; at N <= 16384
@@ -59,8 +58,6 @@ def candidates() -> dict:
         "staged_slices_16384_lead": config.StagedConfig(32, slice_n=16384, slots=3),
         "staged_slices_16384_w16": config.StagedConfig(16, slice_n=16384),
         "staged_slices_16384_w16_lead": config.StagedConfig(16, slice_n=16384, slots=3),
-        "staged_w16_v16": config.StagedConfig(16, vec=16),
-        "staged_w8_v32": config.StagedConfig(8, vec=32),
     }
 
 

@@ -1,8 +1,9 @@
 """The staged long-row forward's variants on one GPU (issue 22): warps per program.
 
-`staged_fwd_kernel` launched directly (as its plan would, one program per SM) at each num_warps (session 13
-also compared LayerNorm's statistics in one and two passes, y as one multiply-add and maskless even rows with
-it: NOTES.md v16): y, mean and rstd checked against float64 on sampled rows, then timed with
+`staged_fwd_kernel` launched directly (as its plan would, one program per SM) at each num_warps, LayerNorm with
+and without its bias (where its gap to RMSNorm goes; sessions 13-14 also compared LayerNorm's statistics in one
+and two passes, y as one multiply-add, maskless even rows, the next row's statistics taken in the y pass and one
+shared-memory allocation per chunk: NOTES.md v16, v17): y, mean and rstd checked against float64 on sampled rows, then timed with
 do_bench_cudagraph (GPU time) and do_bench (best of 3 medians), the device-to-device copy measured in the
 same run. Bytes: read x, write y (2 x M x N x 2; the parameters and statistics are not counted, as in
 bench_kernels.py).
@@ -58,16 +59,17 @@ def main():
     rows = sorted({*range(256), *range(m // 2, m // 2 + 256), *range(m - 256, m)})
     nbytes = 2 * m * n * x.element_size()
     results = []
-    for norm, warps in itertools.product(("layer", "rms"), map(int, args.warps.split(","))):
+    for norm, warps in itertools.product(("layer", "layer_no_bias", "rms"), map(int, args.warps.split(","))):
         rms = norm == "rms"
+        bias = norm == "layer"
         chunk = config.StagedConfig(warps).chunk
         y = torch.empty_like(x)
         mean = torch.empty(m, device="cuda", dtype=torch.float32)
         rstd = torch.empty_like(mean)
 
         def call():
-            staged_fwd_kernel[(min(m, sms),)](x, w, None if rms else b, y, None if rms else mean, rstd, x.stride(0),
-                                              m, n, EPS, IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=not rms,
+            staged_fwd_kernel[(min(m, sms),)](x, w, b if bias else None, y, None if rms else mean, rstd, x.stride(0),
+                                              m, n, EPS, IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=bias,
                                               ZERO_CENTERED=False, VEC=8, CHUNKS=config.cdiv(n, chunk),
                                               num_warps=warps)
 
@@ -75,7 +77,7 @@ def main():
         try:
             call()
             torch.cuda.synchronize()
-            ref_y, ref_mean, ref_rstd = reference(x, w, b, rows, rms)
+            ref_y, ref_mean, ref_rstd = reference(x, w, b if bias else torch.zeros_like(b), rows, rms)
             row["err"] = dict(y=rel(y[rows], ref_y), rstd=rel(rstd[rows], ref_rstd))
             if not rms:
                 row["err"]["mean"] = rel(mean[rows], ref_mean)

@@ -19,7 +19,6 @@ bwd_module = sys.modules["shardnorm.kernels.norm_bwd"]
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="Gluon kernels do not run under the interpreter")
 S = config.StagedConfig
-GPU_CONFIGS = {"w16": S(16), "w32": S(32)}  # the candidates benchmarks/gpu_longrow.py times
 
 
 def _plan(n, rms, weight_dtype=torch.bfloat16, has_bias=True):
@@ -80,15 +79,15 @@ def test_stageable_calls():
 
 @needs_gpu
 def test_rows_that_do_not_fit_take_the_split_backward(monkeypatch):
-    """Shared memory and registers decide: LayerNorm rows fit to 16384 columns (two fp32 sums per column in
-    registers), RMSNorm rows to 32768; a norm without parameters is not staged."""
+    """Rows of any length take the sliced staged backward while every slice has an SM; a norm without parameters
+    and N that is no multiple of 16 do not."""
     monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
     bwd_module._plan.cache_clear()
+    sms = config.sm_count(torch.device("cuda"))
     try:
-        assert isinstance(_plan(16384, False).cfg, S)
-        assert isinstance(_plan(32768, True).cfg, S)
-        assert not isinstance(_plan(32768, False).cfg, S)
-        assert not isinstance(_plan(65536, True).cfg, S)
+        for n, rms in [(16384, False), (32768, True), (32768, False), (65536, True), (16384 * sms, False)]:
+            assert _plan(n, rms).cfg == config.STAGED_BWD_DEFAULT
+        assert not isinstance(_plan(16384 * (sms + 1), False).cfg, S)  # more slices than SMs
         assert not isinstance(_plan(20000, False, None, False).cfg, S)
         assert not isinstance(_plan(16384 - 8, False).cfg, S)  # N not a multiple of 16
     finally:
@@ -121,17 +120,6 @@ def test_matches_float64(monkeypatch, n, rms, case, rows):
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", GPU_CONFIGS)
-@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-def test_candidates(monkeypatch, force, name, rms):
-    """Every candidate the benchmark times, at a long row with a partial chunk and many rows per program."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
-    force(GPU_CONFIGS[name])
-    assert isinstance(_plan(15008, rms).cfg, S)
-    run_case(backend_device("triton"), 15008, rms, torch.bfloat16, rows=1000, weight_dtype=torch.bfloat16)
-
-
-@needs_gpu
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 def test_bitwise_deterministic(monkeypatch, rms):
     monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
@@ -149,6 +137,7 @@ def test_bitwise_deterministic(monkeypatch, rms):
     bwd_module._plan.cache_clear()
 
 
+# the staged candidates benchmarks/gpu_longrow.py times
 SLICED = {"slices_16384": S(32, slice_n=16384), "slices_8192": S(32, slice_n=8192),
           "slices_16384_lead": S(32, slice_n=16384, slots=3), "slices_16384_w16": S(16, slice_n=16384),
           "slices_16384_w16_lead": S(16, slice_n=16384, slots=3)}

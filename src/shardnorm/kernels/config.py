@@ -116,9 +116,10 @@ class CoopBwdConfig:
 class StagedConfig:
     """The staged kernels (`norm_bwd_staged.py`, `norm_fwd_staged.py`, Gluon): one persistent program per SM
     holds whole rows in shared memory, copied in chunks of vec x 32 x num_warps elements (vec: elements per
-    16-byte copy). slice_n > 0 (backward, `staged_slices_bwd_kernel`): rows split into slices of slice_n columns,
-    one program each, in `slots` row slots (3: the next row's sums published before this row's are awaited),
-    exchanging their row sums; one slice (N <= slice_n): whole rows, the next row's copies a row ahead."""
+    16-byte copy). Backward (`staged_slices_bwd_kernel`): rows split into slices of slice_n columns, one
+    program each, in `slots` row slots (3: the next row's sums published before this row's are awaited),
+    exchanging their row sums; one slice (N <= slice_n): whole rows, the next row's copies a row ahead. The
+    forward (slice_n 0) stages whole rows."""
     num_warps: int
     vec: int = 8
     slice_n: int = 0
@@ -237,17 +238,17 @@ COOP_BWD_DEFAULT = _COOP_LN
 # aligned; the plan falls back to COOP_BWD / the split backward otherwise. H100, bf16, % of copy (GPU time,
 # results/h100-2026-11-25-s13/staged_sweep; the split backward 61% in the same runs, the cooperative 62-78% in
 # session 12's):
-# - whole rows in one slot (`staged_bwd_kernel`, 32 warps): RMSNorm 32768 92%. `SHARDNORM_LONG_BWD=staged`
-#   runs it for every long row it can take.
 # - whole rows in two slots, the next row's copies a row ahead (one 16384-column slice, 16 warps: 128
 #   registers a thread, where 32 warps spill LayerNorm's dgamma/dbeta sums): LayerNorm 14336 87-88%, 16384 96%.
 # - 16384-column slices in three slots, the next row's sums published before this row's are awaited, tagged
-#   words for the exchange: LayerNorm 32768 87-88%, 65536 85%, RMSNorm 65536 92-93%.
-STAGED_BWD_DEFAULT = StagedConfig(num_warps=32)
+#   words for the exchange: LayerNorm 32768 87-88%, 65536 85%, RMSNorm 32768 92-93%, 65536 92-93%. (A kernel
+#   with whole rows in one slot, 32 warps, measured RMSNorm 32768 92% in the same runs: removed, session 14.)
+# `SHARDNORM_LONG_BWD=staged` runs STAGED_BWD_DEFAULT for every long row it can take.
 _STAGED_TWO_SLOTS = StagedConfig(num_warps=16, slice_n=16384)
 _STAGED_SLICES = StagedConfig(num_warps=16, slice_n=16384, slots=3)
+STAGED_BWD_DEFAULT = _STAGED_SLICES
 STAGED_BWD = {(16384, 2, False): _STAGED_TWO_SLOTS, (32768, 2, False): _STAGED_SLICES,
-              (65536, 2, False): _STAGED_SLICES, (32768, 2, True): STAGED_BWD_DEFAULT,
+              (65536, 2, False): _STAGED_SLICES, (32768, 2, True): _STAGED_SLICES,
               (65536, 2, True): _STAGED_SLICES}
 
 

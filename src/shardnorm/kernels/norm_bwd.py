@@ -222,24 +222,16 @@ class _BwdPlan:
                                            clusters, config.without_staged(coop), dy_terms)
         flags = dict(IS_RMS=rms, HAS_WEIGHT=has_weight, ZERO_CENTERED=zero_centered)
         if isinstance(self.cfg, config.StagedConfig):
-            from .norm_bwd_staged import (EXCHANGE_RING, exchange_words, stage_weight, staged_bwd_kernel,
-                                          staged_slices_bwd_kernel)
+            from .norm_bwd_staged import EXCHANGE_RING, exchange_words, stage_weight, staged_slices_bwd_kernel
 
             cfg = self.cfg
-            chunk = cfg.chunk
-            weight_size = weight_dtype.itemsize if has_weight else 0
-            if cfg.slice_n:
-                self.slices = config.cdiv(n, cfg.slice_n)
-                self.exchange_words = exchange_words
-                self.staged = Launcher(staged_slices_bwd_kernel, cfg.num_warps, cooperative=True, derived=(6, 7),
-                                       HAS_BIAS=has_bias, HAS_DZ=has_dz, VEC=cfg.vec, CHUNKS=cfg.slice_n // chunk,
-                                       STAGE_W=stage_weight(cfg.slice_n, chunk, weight_size, cfg.slots),
-                                       SLICES=config.next_pow2(self.slices), RING=EXCHANGE_RING, SLOTS=cfg.slots,
-                                       **flags)
-            else:
-                self.staged = Launcher(staged_bwd_kernel, cfg.num_warps, derived=(6, 7), HAS_BIAS=has_bias,
-                                       HAS_DZ=has_dz, VEC=cfg.vec, CHUNKS=config.cdiv(n, chunk),
-                                       STAGE_W=stage_weight(n, chunk, weight_size), **flags)
+            self.slices = config.cdiv(n, cfg.slice_n)
+            self.exchange_words = exchange_words
+            self.staged = Launcher(staged_slices_bwd_kernel, cfg.num_warps, cooperative=True, derived=(6, 7),
+                                   HAS_BIAS=has_bias, HAS_DZ=has_dz, VEC=cfg.vec, CHUNKS=cfg.slice_n // cfg.chunk,
+                                   STAGE_W=stage_weight(cfg.slice_n, cfg.chunk,
+                                                        weight_dtype.itemsize if has_weight else 0, cfg.slots),
+                                   SLICES=config.next_pow2(self.slices), RING=EXCHANGE_RING, SLOTS=cfg.slots, **flags)
         elif isinstance(self.cfg, config.CoopBwdConfig):
             cfg = self.cfg
             self.slices = config.cdiv(n, cfg.slice_n)
@@ -270,19 +262,16 @@ class _BwdPlan:
         self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
 
     def _staged_fits(self) -> bool:
-        """The staged backward's shared memory for bf16/fp16 rows (2 bytes each of x and dy: its vec of 8
-        makes 16-byte copies) within the GPU's, for a norm with parameter grads (it writes partials);
-        N a multiple of 16, as Triton must know to compile 16-byte copies of whole rows."""
+        """The staged backward's slices in shared memory for bf16/fp16 rows (2 bytes each of x and dy: its vec of
+        8 makes 16-byte copies), whole chunks per slice in each row slot, every slice's program resident, for a
+        norm with parameter grads (it writes partials); N a multiple of 16, as Triton must know to compile
+        16-byte copies of whole rows."""
         from .norm_bwd_staged import fits
 
         cfg = self.cfg
-        chunk = cfg.chunk
-        if not (self.num_grads > 0 and self.n % 16 == 0):
-            return False
-        if cfg.slice_n:  # whole chunks per slice in its row slots, every slice's program resident
-            return (cfg.slice_n % chunk == 0 and config.cdiv(self.n, cfg.slice_n) <= self.sms and
-                    fits(cfg.slice_n, chunk, 2 * cfg.slots, 2 * cfg.slots, self.num_grads))  # slots: wider rows
-        return fits(self.n, chunk, 2, 2, self.num_grads)
+        return (self.num_grads > 0 and self.n % 16 == 0 and cfg.slice_n > 0 and cfg.slice_n % cfg.chunk == 0 and
+                config.cdiv(self.n, cfg.slice_n) <= self.sms and
+                fits(cfg.slice_n, cfg.chunk, 2 * cfg.slots, 2 * cfg.slots, self.num_grads))  # slots: wider rows
 
     # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
     # left out of the launch keys; their dtypes are fixed by src and the plan.
@@ -312,13 +301,10 @@ class _BwdPlan:
         partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) \
             if num_grads and not direct else None
         dz_stride = dz.stride()[0] if dz is not None else 0
-        if isinstance(self.cfg, config.StagedConfig) and self.cfg.slice_n:
+        if isinstance(self.cfg, config.StagedConfig):
             exchange = self.exchange_words(device, torch.cuda.current_stream(device).cuda_stream, self.sms)
             self.staged((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange,
                         src.stride()[0], dy.stride()[0], dz_stride, M, N)
-        elif isinstance(self.cfg, config.StagedConfig):
-            self.staged((partial_rows,), src, dy, dz, weight, mean, rstd, dx, partial, src.stride()[0], dy.stride()[0],
-                        dz_stride, M, N)
         elif isinstance(self.cfg, config.CoopBwdConfig):
             cfg = self.cfg
             stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

@@ -2,16 +2,14 @@
 
 Triton's `tl` keeps a tile in registers, and a 14336-16384-column LayerNorm row (x, dy and the
 dgamma/dbeta accumulators) does not fit one program's registers: the `tl` paths read the row twice
-(split backward) or exchange row sums between programs (cooperative backward). Here one persistent
-program per SM owns whole rows: it copies a row's x and dy into shared memory chunk by chunk with
-`cp.async`, takes the two row sums from there, then reads the chunks again for dx; as soon as a chunk
-is consumed the same thread copies the next row's chunk into its place, so the loads of row i + 1 are
-in flight during row i's dx pass. The fp32 dgamma/dbeta sums stay in registers (up to half the
-register file: LayerNorm to 16384 columns, RMSNorm to 32768) and go to the same [P, G*N] partial
-buffer and `column_sum_kernel` as the other backwards (deterministic). `staged_slices_bwd_kernel` holds
-rows in two or three row slots, so the next row's copies are issued a whole row ahead; rows longer than one
-SM holds go to several such programs, one slice each, whose partial row sums meet as tagged 64-bit words
-(relaxed stores and polls, no fence, launched cooperatively).
+(split backward) or exchange row sums between programs (cooperative backward). Here persistent programs
+own rows, or column slices of rows: a program copies its slice of a row's x and dy into shared memory chunk
+by chunk with `cp.async`, takes the two row sums from there, then reads the chunks again for dx. Rows are
+held in two or three row slots, so the next row's copies are issued a whole row ahead of its use. The
+slices of a row meet as tagged 64-bit words (relaxed stores and polls, no fence, launched cooperatively);
+one slice (rows to 16384 columns) needs no exchange. The fp32 dgamma/dbeta sums stay in registers (up to
+half the register file) and go to the same [P, G*N] partial buffer and `column_sum_kernel` as the other
+backwards (deterministic).
 
 Every thread reads back only the elements it copied itself (one distributed layout for the copies and
 the loads), so a chunk is ready for a thread once its own copy group has landed (the block barriers
@@ -34,7 +32,7 @@ MAX_SUMS = 32768  # fp32 dgamma/dbeta sums per program: half the register file (
 EXCHANGE_RING = 4  # rows of tagged words per group in the sliced kernel's exchange (RING >= 2 + 2 * LEAD)
 
 
-def stage_weight(n: int, chunk: int, weight_size: int, slots: int = 1) -> bool:
+def stage_weight(n: int, chunk: int, weight_size: int, slots: int) -> bool:
     """Whether the weight of n columns fits in shared memory beside `slots` rows of bf16/fp16 x and dy (STAGE_W)."""
     return bool(weight_size) and -(-n // chunk) * chunk * (4 * slots + weight_size) <= SMEM_BYTES
 
@@ -45,54 +43,6 @@ def fits(n: int, chunk: int, src_size: int, dy_size: int, num_grads: int) -> boo
     padded = -(-n // chunk) * chunk
     return padded <= MAX_CHUNKS * chunk and padded * (src_size + dy_size) <= SMEM_BYTES and \
         padded * num_grads <= MAX_SUMS
-
-
-@gluon.jit
-def _issue_row(xs, dys, SRC, DY, row, M, N, stride_src, stride_dy, offs, c: gl.constexpr, CHUNK: gl.constexpr):
-    """cp.async of chunk c of `row` (nothing past M: the copy zero-fills) into its slot; one group."""
-    cols = c * CHUNK + offs
-    mask = (cols < N) & (row < M)
-    row64 = row.to(gl.int64)
-    async_copy.async_copy_global_to_shared(xs.index(c), SRC + row64 * stride_src + cols, mask=mask)
-    async_copy.async_copy_global_to_shared(dys.index(c), DY + row64 * stride_dy + cols, mask=mask)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def staged_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, stride_src, stride_dy, stride_dz, M, N,
-                      IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DZ: gl.constexpr,
-                      ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr, STAGE_W: gl.constexpr):
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
-    gl.static_assert(CHUNKS <= 4)  # MAX_CHUNKS
-    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
-    staged: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per chunk; index() takes the chunk
-    xs = gl.allocate_shared_memory(SRC.dtype.element_ty, [CHUNKS, CHUNK], staged)
-    dys = gl.allocate_shared_memory(DY.dtype.element_ty, [CHUNKS, CHUNK], staged)
-    offs = gl.arange(0, CHUNK, layout=layout)
-    ws = _staged_weight(W, xs, offs, N, staged, CHUNKS, CHUNK, STAGE_W)
-    zero = gl.zeros([CHUNK], gl.float32, layout)
-    # dgamma / dbeta sums of chunks 0-3 in registers (a chunk's are its own variables: Gluon has no
-    # register arrays); absent chunks' stay unused and compile away.
-    dw0, dw1, dw2, dw3 = zero, zero, zero, zero
-    db0, db1, db2, db3 = zero, zero, zero, zero
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    for c in gl.static_range(CHUNKS):
-        _issue_row(xs, dys, SRC, DY, pid, M, N, stride_src, stride_dy, offs, c, CHUNK)
-    for row in range(pid, M, programs):
-        # Pass 1: the row sums, each chunk as soon as its copy has landed.
-        mean, rstd, sum_xwdy, sum_wdy = _row_terms(xs, dys, ws, W, MEAN, RSTD, row, 0, offs, N, zero, layout, 0, CHUNKS,
-                                                   CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
-        part1, part2 = _row_sums(sum_xwdy, sum_wdy, IS_RMS)
-        # Pass 2: dx and the parameter grads; each consumed chunk's slot takes the next row's chunk.
-        dw0, dw1, dw2, dw3, db0, db1, db2, db3 = _dx_row(
-            xs, dys, ws, SRC, DY, DZ, W, DX, row, row + programs, M, N, stride_src, stride_dy, stride_dz, offs, 0,
-            mean, rstd, part1 / N, part2 / N, dw0, dw1, dw2, dw3, db0, db1, db2, db3, layout, CHUNKS, CHUNK, IS_RMS,
-            HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W, True)
-    async_copy.wait_group(0)  # the last (empty) copies, before the program's shared memory goes
-    _store_sums(PARTIAL + pid.to(gl.int64) * (N * (HAS_WEIGHT + HAS_BIAS)), N, offs, dw0, dw1, dw2, dw3, db0, db1, db2,
-                db3, CHUNKS, CHUNK, HAS_WEIGHT, HAS_BIAS)
 
 
 @gluon.jit
@@ -137,42 +87,24 @@ def _row_sums(sum_xwdy, sum_wdy, IS_RMS: gl.constexpr):
 
 
 @gluon.jit
-def _dx_row(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz, offs, first, mean,
-            rstd, c1, c2, dw0, dw1, dw2, dw3, db0, db1, db2, db3, layout: gl.constexpr, CHUNKS: gl.constexpr,
-            CHUNK: gl.constexpr, IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_DZ: gl.constexpr,
-            ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr, RECYCLE: gl.constexpr):
+def _dx_row(xs, dys, ws, DZ, W, DX, row, N, stride_dz, offs, first, mean, rstd, c1, c2, dw0, dw1, dw2, dw3, db0, db1,
+            db2, db3, layout: gl.constexpr, CHUNKS: gl.constexpr, CHUNK: gl.constexpr, IS_RMS: gl.constexpr,
+            HAS_WEIGHT: gl.constexpr, HAS_DZ: gl.constexpr, ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr):
     """The row's dx from its chunks in shared memory at `first`, each chunk's dgamma / dbeta terms added to its
     own sums (Gluon has no register arrays: one variable per chunk, up to MAX_CHUNKS; absent chunks' stay unused
-    and compile away). RECYCLE: each consumed chunk's slot then takes `next_row`'s chunk."""
-    dw0, db0 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz, offs,
-                         first, mean, rstd, c1, c2, dw0, db0, 0, layout, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ,
-                         ZERO_CENTERED, STAGE_W, RECYCLE)
+    and compile away)."""
+    dw0, db0 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, first, 0, offs, mean, rstd, c1, c2, dw0, db0,
+                         layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
     if CHUNKS > 1:
-        dw1, db1 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz,
-                             offs, first, mean, rstd, c1, c2, dw1, db1, 1, layout, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ,
-                             ZERO_CENTERED, STAGE_W, RECYCLE)
+        dw1, db1 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, first + 1, 1, 1 * CHUNK + offs, mean, rstd,
+                             c1, c2, dw1, db1, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
     if CHUNKS > 2:
-        dw2, db2 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz,
-                             offs, first, mean, rstd, c1, c2, dw2, db2, 2, layout, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ,
-                             ZERO_CENTERED, STAGE_W, RECYCLE)
+        dw2, db2 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, first + 2, 2, 2 * CHUNK + offs, mean, rstd,
+                             c1, c2, dw2, db2, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
     if CHUNKS > 3:
-        dw3, db3 = _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz,
-                             offs, first, mean, rstd, c1, c2, dw3, db3, 3, layout, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ,
-                             ZERO_CENTERED, STAGE_W, RECYCLE)
+        dw3, db3 = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, first + 3, 3, 3 * CHUNK + offs, mean, rstd,
+                             c1, c2, dw3, db3, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
     return dw0, dw1, dw2, dw3, db0, db1, db2, db3
-
-
-@gluon.jit
-def _dx_chunk(xs, dys, ws, SRC, DY, DZ, W, DX, row, next_row, M, N, stride_src, stride_dy, stride_dz, offs, first,
-              mean, rstd, c1, c2, dw, db, c: gl.constexpr, layout: gl.constexpr, CHUNK: gl.constexpr,
-              IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_DZ: gl.constexpr, ZERO_CENTERED: gl.constexpr,
-              STAGE_W: gl.constexpr, RECYCLE: gl.constexpr):
-    """Chunk c of the row's dx (`_dx_row`); returns (dw, db) with its terms added."""
-    dw, db = _store_dx(xs, dys, ws, W, DZ, DX, row, N, stride_dz, first + c, c, c * CHUNK + offs, mean, rstd, c1, c2,
-                       dw, db, layout, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
-    if RECYCLE:
-        _issue_row(xs, dys, SRC, DY, next_row, M, N, stride_src, stride_dy, offs, c, CHUNK)
-    return dw, db
 
 
 @gluon.jit
@@ -280,8 +212,7 @@ def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, 
     resident). SLOTS = 2: a row's sums are published and awaited in turn, the next row's copies in flight
     meanwhile. SLOTS = 3: row i + 1's sums are taken and published before row i's are awaited, so the
     exchange's round trip is covered by a pass over a row (the row after that in flight). SLICES: next_pow2 of
-    the slice count; 1: whole rows, no exchange (the next row's copies in flight during a row's work, where
-    `staged_bwd_kernel` has only its chunks'). EXCHANGE: `exchange_words`."""
+    the slice count; 1: whole rows, no exchange. EXCHANGE: `exchange_words`."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
     gl.static_assert(CHUNKS <= 4)  # MAX_CHUNKS
@@ -332,9 +263,8 @@ def staged_slices_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, PARTIAL, EXCHANGE, 
             c1 = part1 / N
             c2 = part2 / N
         dw0, dw1, dw2, dw3, db0, db1, db2, db3 = _dx_row(
-            xs, dys, ws, SRC, DY, DZ, W, DX, row, row, M, N, stride_src, stride_dy, stride_dz, offs, slot * CHUNKS,
-            mean, rstd, c1, c2, dw0, dw1, dw2, dw3, db0, db1, db2, db3, layout, CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT,
-            HAS_DZ, ZERO_CENTERED, STAGE_W, False)
+            xs, dys, ws, DZ, W, DX, row, N, stride_dz, offs, slot * CHUNKS, mean, rstd, c1, c2, dw0, dw1, dw2, dw3,
+            db0, db1, db2, db3, layout, CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT, HAS_DZ, ZERO_CENTERED, STAGE_W)
         if LEAD:
             mean, rstd, part1, part2 = mean_next, rstd_next, part1_next, part2_next
     async_copy.wait_group(0)
