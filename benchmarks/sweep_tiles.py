@@ -60,7 +60,7 @@ def fwd_candidates(n: int, rms: bool):
         for bm, bn, warps in ((1, 4096, 16), (1, 16384, 32), (2, 8192, 16)):
             yield T(bm, bn, warps, single_pass=False, num_stages=2 if bm == 2 else 1)
     for bn, tail in dict.fromkeys([(config.next_pow2(n), 0), config.row_tiles(n)]):
-        for elems, warps, per_sm in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32), (0, 2, 4, 8)):
+        for elems, warps, per_sm in itertools.product((1024, 2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32), (0, 2, 4, 8)):
             if elems >= bn and 8 <= elems // (32 * warps) <= 32 and (elems == bn or elems <= 16384):
                 yield T(elems // bn, bn, warps, programs_per_sm=per_sm, tail_n=tail)
 

@@ -202,6 +202,8 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False, clusters: bo
         if clusters and (block_n, param_size) in CLUSTER_FWD:
             return CLUSTER_FWD[block_n, param_size]
         return FWD_CHUNKED_FP32_PARAMS if param_size >= 4 and has_bias else FWD_CHUNKED
+    if block_n == 1024 and has_bias:  # one row a program (H100 sweep of GPU time, session 14: 95% vs 93% of copy)
+        return TileConfig(block_m=1, block_n=1024, num_warps=4)
     if block_n <= 2048:  # small rows, QK-norm's 64-256 too: 2K-element tiles, 4 warps (H100 sweep)
         return TileConfig(block_m=2048 // block_n, block_n=block_n, num_warps=4)
     return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n, num_warps=8 if block_n <= 8192 else 16)
@@ -236,8 +238,8 @@ COOP_BWD = {(16384, 2, False): _COOP_LN, (32768, 2, False): _COOP_LN, (65536, 2,
 COOP_BWD_DEFAULT = _COOP_LN
 # The staged backward (Gluon), where the row fits (norm_bwd_staged.fits) and a call's rows are 16-byte
 # aligned; the plan falls back to COOP_BWD / the split backward otherwise. H100, bf16, % of copy (GPU time,
-# results/h100-2026-11-25-s13/staged_sweep; the split backward 61% in the same runs, the cooperative 62-78% in
-# session 12's):
+# results/h100-2026-11-25-s13/staged_sweep and -s14/staged_sweep; the split backward 61% in the same runs, the
+# cooperative 62-78% in session 12's):
 # - whole rows in two slots, the next row's copies a row ahead (one 16384-column slice, 16 warps: 128
 #   registers a thread, where 32 warps spill LayerNorm's dgamma/dbeta sums): LayerNorm 14336 87-88%, 16384 96%.
 # - 16384-column slices in three slots, the next row's sums published before this row's are awaited, tagged
