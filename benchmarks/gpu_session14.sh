@@ -7,6 +7,8 @@
 #   bwd      the backward half of test_long_rows_staged.py (before the one-slot kernel's removal: run 2)
 #   final    quack stage_a (carry .whl/quack_a); the long-row GPU tests of the final code (the staged file, the
 #            kernel tests' long rows, CUDA graphs); the forward with and without LayerNorm's bias
+#   fwdfinal the final staged forward (LayerNorm statistics per warp, the first chunks' parameters in shared
+#            memory): its variants and forward GPU tests; quack stage_a (carry .whl/quack_a)
 #   peers    quack install (call 2 of 2, carry .whl/quack_b + Liger), bench_kernels' long rows with every peer
 #   small    small N with the peers but quack (carry the Liger wheel) and host time per call, for an H200
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
@@ -26,6 +28,11 @@ case "${1:-final}" in
     box kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
         -k "long or 20000 or 40000 or graph" -rs
     box fwd_bias 120 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/fwd_bias.json" --warps 32 ;;
+  fwdfinal)  # the staged forward with LayerNorm's parameters held on chip: variants, forward tests; quack stage_a
+    [ -d .whl/quack_a ] && source benchmarks/quack_env.sh stage_a
+    box fwd_variants 200 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/fwd_final.json" --warps 32 \
+        --param-chunks 0,3
+    box fwd_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py -k forward -rs ;;
   peers)
     source benchmarks/quack_env.sh install || exit 1
     box longrow_peers 560 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \

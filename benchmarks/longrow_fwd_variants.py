@@ -1,14 +1,14 @@
-"""The staged long-row forward's variants on one GPU (issue 22): warps per program.
+"""The staged long-row forward's variants on one GPU (issue 22): warps per program, parameters held on chip.
 
-`staged_fwd_kernel` launched directly (as its plan would, one program per SM) at each num_warps, LayerNorm with
-and without its bias (where its gap to RMSNorm goes; sessions 13-14 also compared LayerNorm's statistics in one
-and two passes, y as one multiply-add, maskless even rows, the next row's statistics taken in the y pass and one
-shared-memory allocation per chunk: NOTES.md v16, v17): y, mean and rstd checked against float64 on sampled rows, then timed with
-do_bench_cudagraph (GPU time) and do_bench (best of 3 medians), the device-to-device copy measured in the
-same run. Bytes: read x, write y (2 x M x N x 2; the parameters and statistics are not counted, as in
-bench_kernels.py).
+`staged_fwd_kernel` launched directly (as its plan would, one program per SM) at each num_warps and number of
+chunks whose parameters stay in shared memory, LayerNorm with and without its bias (sessions 13-14 also compared
+LayerNorm's statistics in one and two passes and per warp, y as one multiply-add, maskless even rows, the next
+row's statistics taken in the y pass, one shared-memory allocation per chunk: NOTES.md v16, v17): y, mean and
+rstd checked against float64 on sampled rows, then timed with do_bench_cudagraph (GPU time) and do_bench (best of
+3 medians), the device-to-device copy measured in the same run. Bytes: read x, write y (2 x M x N x 2; the
+parameters and statistics are not counted, as in bench_kernels.py).
 
-    python benchmarks/longrow_fwd_variants.py --out OUT.json [--n 65536] [--m 32768]
+    python benchmarks/longrow_fwd_variants.py --out OUT.json [--n 65536] [--m 32768] [--warps 16,32] [--param-chunks 0,3]
 """
 
 import argparse
@@ -47,6 +47,8 @@ def main():
     parser.add_argument("--m", type=int, default=32768)
     parser.add_argument("--n", type=int, default=65536)
     parser.add_argument("--warps", default="16,32")
+    parser.add_argument("--param-chunks", default="0,3",
+                        help="chunks whose parameters are held in shared memory (0: chunk 0's in registers, LayerNorm)")
     args = parser.parse_args()
     copy_gbs = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -59,7 +61,8 @@ def main():
     rows = sorted({*range(256), *range(m // 2, m // 2 + 256), *range(m - 256, m)})
     nbytes = 2 * m * n * x.element_size()
     results = []
-    for norm, warps in itertools.product(("layer", "layer_no_bias", "rms"), map(int, args.warps.split(","))):
+    for norm, warps, held in itertools.product(("layer", "layer_no_bias", "rms"), map(int, args.warps.split(",")),
+                                               map(int, args.param_chunks.split(","))):
         rms = norm == "rms"
         bias = norm == "layer"
         chunk = config.StagedConfig(warps).chunk
@@ -71,9 +74,9 @@ def main():
             staged_fwd_kernel[(min(m, sms),)](x, w, b if bias else None, y, None if rms else mean, rstd, x.stride(0),
                                               m, n, EPS, IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=bias,
                                               ZERO_CENTERED=False, VEC=8, CHUNKS=config.cdiv(n, chunk),
-                                              num_warps=warps)
+                                              PARAM_CHUNKS=held, HOLD_CHUNK0=not rms and not held, num_warps=warps)
 
-        row = dict(norm=norm, M=m, N=n, num_warps=warps)
+        row = dict(norm=norm, M=m, N=n, num_warps=warps, param_chunks=held)
         try:
             call()
             torch.cuda.synchronize()
@@ -97,7 +100,7 @@ def main():
         json.dump(dict(meta=meta, rows=results), f, indent=1)
     print(f"copy {copy_gbs:.0f} GB/s")
     for r in results:
-        print(f"{r['norm']:5} w{r['num_warps']} "
+        print(f"{r['norm']:5} w{r['num_warps']} held{r['param_chunks']} "
               + (f"graph {100 * r['graph_of_copy']:.0f}% bench {100 * r['bench_of_copy']:.0f}% err {r['err']}"
                  if "failed" not in r else r["failed"]))
 

@@ -216,6 +216,52 @@ FWD_CASES = {"bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat
              "fp32_rows": dict(dtype=torch.float32)}
 
 
+def test_forward_parameter_chunks():
+    """How many chunks' parameters the staged forward holds in shared memory beside a row (227 KB, 1 KB of
+    scratch): all fit for a 40000-column row, 3 of 8 at 65536 (6 without a bias, 1 with fp32 ones)."""
+    from shardnorm.kernels.norm_fwd_staged import SCRATCH_BYTES, SMEM_BYTES, param_chunks
+
+    chunk = config.STAGED_FWD.chunk  # 8192
+    assert param_chunks(65536, chunk, 2, 2, 2) == 3 and param_chunks(65536, chunk, 2, 2, 1) == 6
+    assert param_chunks(65536, chunk, 2, 4, 2) == 1 and param_chunks(65536, chunk, 2, 2, 0) == 0
+    assert param_chunks(40000, chunk, 2, 2, 2) == 4 and param_chunks(32784, chunk, 2, 2, 1) == 5
+    for n in (32784, 40000, 65536, 98304, 114688):
+        for size, params in ((2, 1), (2, 2), (4, 2)):
+            chunks = -(-n // chunk)
+            held = param_chunks(n, chunk, 2, size, params)
+            assert 0 <= held <= chunks
+            assert chunks * chunk * 2 + held * chunk * size * params <= SMEM_BYTES - SCRATCH_BYTES
+
+
+def test_forward_parameters_that_cannot_be_staged():
+    """The staged forward copies its parameters 16 bytes at a time and sizes them by the weight's width."""
+    stageable = fwd_module._stageable_params
+    w = torch.randn(65536, dtype=torch.bfloat16)
+    assert stageable(w, torch.randn_like(w)) and stageable(None, w) and stageable(w, None) and stageable(None, None)
+    assert not stageable(torch.randn(65537, dtype=torch.bfloat16)[1:], None)  # 2 bytes off
+    assert not stageable(w, torch.randn(65537, dtype=torch.bfloat16)[1:])
+    assert not stageable(w, torch.randn(65536))  # a bias twice the weight's width
+
+
+@needs_gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_forward_with_unstageable_parameters(monkeypatch, rms):
+    """A weight 2 bytes off 16-byte alignment, or a bias wider than the weight: the chunked forward, the same
+    result as the staged one to a rounding step."""
+    monkeypatch.delenv("SHARDNORM_LONG_FWD", raising=False)
+    fwd_module._plan.cache_clear()
+    x = torch.randn(300, 65536, device="cuda", dtype=torch.bfloat16) * 3 + 1
+    w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
+    b = None if rms else torch.randn_like(w)
+    y, _, _, rstd = fwd_module.norm_fwd(x, w, b, None, 1e-5, rms, False)
+    w_off = torch.empty(65537, device="cuda", dtype=torch.bfloat16)[1:].copy_(w)
+    for weight, bias in [(w_off, b)] + ([] if rms else [(w, b.float())]):
+        y2, _, _, rstd2 = fwd_module.norm_fwd(x, weight, bias, None, 1e-5, rms, False)
+        torch.testing.assert_close(rstd2, rstd, rtol=1e-5, atol=0)
+        torch.testing.assert_close(y2.float(), y.float(), rtol=1e-2, atol=1e-2)
+    fwd_module._plan.cache_clear()
+
+
 def test_forward_never_staged_on_cpu():
     fwd_module._plan.cache_clear()
     assert fwd_module._plan(65536, 2, True, True, False, False, False, torch.device("cpu"), False).staged is None

@@ -191,6 +191,13 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     return plan(x, weight, bias, residual, eps)
 
 
+def _stageable_params(weight, bias) -> bool:
+    """What the staged forward's parameter copies need: 16-byte aligned addresses, and a bias as wide as the
+    weight (the plan sizes shared memory by the weight's width)."""
+    return (weight is None or not weight.data_ptr() & 15) and (bias is None or not bias.data_ptr() & 15) and \
+        (weight is None or bias is None or weight.element_size() == bias.element_size())
+
+
 _OUTPUTS = (4, 5, 6, 7)  # Y, Z, MEAN, RSTD: allocated by _FwdPlan, dtypes fixed by x, residual and the plan
 
 
@@ -216,13 +223,15 @@ class _FwdPlan:
                                PERSISTENT=cfg.programs_per_sm > 0)
         self.staged = None  # rows too long for registers, staged in shared memory (norm_fwd_staged.py)
         if n > config.MAX_FUSED_N_FWD and n % 16 == 0 and not has_residual and config.staged_fwd(device):
-            from .norm_fwd_staged import fits, staged_fwd_kernel
+            from .norm_fwd_staged import fits, param_chunks, staged_fwd_kernel
 
             staged = config.STAGED_FWD
             if fits(n, staged.chunk, 2):
+                held = 0 if rms else param_chunks(n, staged.chunk, 2, param_size, has_weight + has_bias)
                 self.staged = Launcher(staged_fwd_kernel, staged.num_warps, derived=(3, 4, 5), IS_RMS=rms,
                                        HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
-                                       VEC=staged.vec, CHUNKS=config.cdiv(n, staged.chunk))
+                                       VEC=staged.vec, CHUNKS=config.cdiv(n, staged.chunk), PARAM_CHUNKS=held,
+                                       HOLD_CHUNK0=not rms and not held and param_size == 2)
 
     def _programs(self, M):
         return self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
@@ -234,7 +243,7 @@ class _FwdPlan:
         z = torch.empty((M, N), dtype=torch.result_type(x, residual), device=device) if residual is not None else None
         mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
         rstd = torch.empty(M, dtype=torch.float32, device=device)
-        if M and self.staged is not None and config.staged_rows(x):
+        if M and self.staged is not None and config.staged_rows(x) and _stageable_params(weight, bias):
             self.staged((min(M, self.sms),), x, weight, bias, y, mean, rstd, x.stride()[0], M, N, eps)
         elif M:
             programs = config.per_m(self.programs, M, self._programs)

@@ -3,9 +3,10 @@
 Above 32768 columns a row does not fit one program's registers and the `tl` forward reads it twice
 (statistics, then y: 67 % of copy at best, 76-78 % with L2 hits). Here one persistent program per SM
 copies a row of x into shared memory chunk by chunk with `cp.async` (a 65536-column bf16 row is 128 KB),
-takes the statistics as the chunks land (LayerNorm's in one pass too, `_shifted_moments`) and writes y; as
-each chunk is consumed in that last pass the same thread copies the next row's chunk into its place. The
-weight and bias come from L2, each chunk's loaded one chunk ahead.
+takes the statistics as the chunks land (LayerNorm's in one pass too, `_warp_moments`) and writes y; as
+each chunk is consumed in that last pass the same thread copies the next row's chunk into its place.
+Parameters are the same for every row: LayerNorm holds the first chunks' weight and bias in the shared
+memory the row leaves free (`param_chunks`), the rest come from L2, each chunk's loaded one chunk ahead.
 Same staging as the backward (`norm_bwd_staged.py`); Gluon does not run under TRITON_INTERPRET, so CI
 checks the chunked `tl` forward (the same result to fp32 rounding) and the GPU tests this one
 (tests/test_long_rows_staged.py).
@@ -18,9 +19,22 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from .norm_bwd_staged import SMEM_BYTES, add_pairs
 
 
+SCRATCH_BYTES = 1024  # left free for the reductions' scratch
+
+
 def fits(n: int, chunk: int, x_size: int) -> bool:
     """Whether a row of n columns of x_size-byte x fits shared memory in chunks of `chunk`."""
     return -(-n // chunk) * chunk * x_size <= SMEM_BYTES
+
+
+def param_chunks(n: int, chunk: int, x_size: int, param_size: int, params: int) -> int:
+    """How many leading chunks' parameters (`params` tensors of param_size-byte elements) fit in the shared
+    memory a row of x leaves free (65536 bf16 columns: 3 of 8 chunks' weight and bias, 1 with fp32 ones)."""
+    if not params:
+        return 0
+    chunks = -(-n // chunk)
+    free = SMEM_BYTES - SCRATCH_BYTES - chunks * chunk * x_size
+    return max(0, min(chunks, free // (chunk * param_size * params)))
 
 
 @gluon.jit
@@ -47,31 +61,73 @@ def _params(W, B, cols, col_mask, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constex
 
 
 @gluon.jit
-def _shifted_moments(xs, offs, N, zero, layout: gl.constexpr, CHUNKS: gl.constexpr, CHUNK: gl.constexpr):
-    """A LayerNorm row's mean and variance in one pass over its chunks in shared memory: sums of x - K and
-    (x - K)^2 with K the mean of chunk 0 (reduced while the later chunks are still landing). The variance
-    E[d^2] - E[d]^2 loses at most log2(N / CHUNK) bits to cancellation: chunk 0's squared deviations from the
-    row mean are at least CHUNK (K - mean)^2 and at most N var, so (K - mean)^2 <= (N / CHUNK) var."""
+def _chunk_params(ws, bs, W, B, offs, N, c: gl.constexpr, CHUNK: gl.constexpr, PARAM_CHUNKS: gl.constexpr,
+                  layout: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, ZERO_CENTERED: gl.constexpr):
+    """Chunk c's weight and bias in fp32: from shared memory for the first PARAM_CHUNKS chunks (copied once per
+    program), else from global memory (L2)."""
+    if c < PARAM_CHUNKS:
+        w = 1.0
+        b = 0.0
+        if HAS_WEIGHT:
+            w = ws.index(c).load(layout).to(gl.float32)
+            if ZERO_CENTERED:
+                w = w + 1.0
+        if HAS_BIAS:
+            b = bs.index(c).load(layout).to(gl.float32)
+    else:
+        cols = c * CHUNK + offs
+        w, b = _params(W, B, cols, cols < N, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+    return w, b
+
+
+@gluon.jit
+def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Combine of (count, mean, sum of squared deviations) of two parts of a row (Chan et al.)."""
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    frac = n_b / n
+    return n, mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac
+
+
+@gluon.jit
+def _warp_moments(xs, N, CHUNKS: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """A LayerNorm row's mean and variance in one pass with no block-wide step before the last: each warp sums
+    x - K_w and (x - K_w)^2 over its columns of every chunk, K_w the mean of its columns of chunk 0 (a reduction
+    within the warp), and the warps' (count, mean, M2) meet in one Chan reduction. A warp's variance loses at most
+    log2(CHUNKS) bits to cancellation (its chunk-0 columns are 1 / CHUNKS of its columns). Needs N >= CHUNK (every
+    warp has columns in chunk 0): the staged forward's rows are longer than 32768."""
+    W: gl.constexpr = 32 * VEC  # a warp's columns of a chunk
+    CHUNK: gl.constexpr = W * NUM_WARPS
+    layout2: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [NUM_WARPS, 1], [1, 0])
+    warp = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, layout2))
+    cols = warp[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, layout2))[None, :]
+    count = gl.minimum(gl.maximum(N - warp * W, 1), W).to(gl.float32)  # chunk 0's columns of each warp
     async_copy.wait_group(CHUNKS - 1)
-    first = xs.index(0).load(layout).to(gl.float32)  # zero-filled past N
-    shift = gl.sum(first, axis=0) / gl.minimum(N, CHUNK)
-    d = gl.where(offs < N, first - shift, 0.0)
+    first = xs.index(0).reshape([NUM_WARPS, W]).load(layout2).to(gl.float32)  # zero-filled past N
+    shift = gl.sum(first, axis=1) / count
+    d = gl.where(cols < N, first - shift[:, None], 0.0)
     s1 = d
     s2 = d * d
     for c in gl.static_range(1, CHUNKS):
         async_copy.wait_group(CHUNKS - 1 - c)
-        d = gl.where(c * CHUNK + offs < N, xs.index(c).load(layout).to(gl.float32) - shift, 0.0)
+        d = gl.where(c * CHUNK + cols < N,
+                     xs.index(c).reshape([NUM_WARPS, W]).load(layout2).to(gl.float32) - shift[:, None], 0.0)
         s1 += d
         s2 += d * d
-    t1, t2 = gl.reduce((s1, s2), 0, add_pairs)
-    d_mean = t1 / N
-    return shift + d_mean, gl.maximum(t2 / N - d_mean * d_mean, 0.0)
+        count += gl.minimum(gl.maximum(N - c * CHUNK - warp * W, 0), W).to(gl.float32)
+    t1, t2 = gl.reduce((s1, s2), 1, add_pairs)  # within each warp
+    n, mean, m2 = gl.reduce((count, shift + t1 / count, gl.maximum(t2 - t1 * t1 / count, 0.0)), 0, _chan)
+    return mean, m2 / n
 
 
 @gluon.jit
 def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
                       IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr):
+                      ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr,
+                      PARAM_CHUNKS: gl.constexpr, HOLD_CHUNK0: gl.constexpr):
+    """PARAM_CHUNKS: leading chunks whose parameters are copied into shared memory once (`param_chunks`);
+    HOLD_CHUNK0: chunk 0's 2-byte parameters held in registers across rows where none fit in shared memory
+    (loaded at the y pass's start, LayerNorm measured 87 % of copy instead of 94 %: an L2 round trip a row)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
@@ -81,8 +137,22 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
     zero = gl.zeros([CHUNK], gl.float32, layout)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
+    ws = xs  # unused unless PARAM_CHUNKS
+    bs = xs
+    if PARAM_CHUNKS > 0:  # one copy group, older than the row's: waiting for x's chunk 0 waits for it too
+        if HAS_WEIGHT:
+            ws = gl.allocate_shared_memory(W.dtype.element_ty, [PARAM_CHUNKS, CHUNK], staged)
+            for c in gl.static_range(PARAM_CHUNKS):
+                async_copy.async_copy_global_to_shared(ws.index(c), W + c * CHUNK + offs, mask=c * CHUNK + offs < N)
+        if HAS_BIAS:
+            bs = gl.allocate_shared_memory(B.dtype.element_ty, [PARAM_CHUNKS, CHUNK], staged)
+            for c in gl.static_range(PARAM_CHUNKS):
+                async_copy.async_copy_global_to_shared(bs.index(c), B + c * CHUNK + offs, mask=c * CHUNK + offs < N)
+        async_copy.commit_group()
     for c in gl.static_range(CHUNKS):
         _issue_x(xs, X, pid, M, N, stride_x, offs, c, CHUNK)
+    if HOLD_CHUNK0:
+        w_first, b_first = _params(W, B, offs, offs < N, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
     for row in range(pid, M, programs):
         # Statistics, each chunk as soon as its copy has landed (zero-filled past N).
         mean = 0.0
@@ -94,17 +164,22 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
                 total += x * x
             var = gl.sum(total, axis=0) / N
         else:
-            mean, var = _shifted_moments(xs, offs, N, zero, layout, CHUNKS, CHUNK)
+            mean, var = _warp_moments(xs, N, CHUNKS, VEC, NUM_WARPS)
         rstd = 1.0 / gl.sqrt(var + eps)
         # y; the parameters of chunk c + 1 are in flight while chunk c is written.
         row64 = row.to(gl.int64)
-        w_next, b_next = _params(W, B, offs, offs < N, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+        if HOLD_CHUNK0:
+            w_next, b_next = w_first, b_first
+        else:
+            w_next, b_next = _chunk_params(ws, bs, W, B, offs, N, 0, CHUNK, PARAM_CHUNKS, layout, HAS_WEIGHT, HAS_BIAS,
+                                           ZERO_CENTERED)
         for c in gl.static_range(CHUNKS):
             cols = c * CHUNK + offs
             col_mask = cols < N
             w, b = w_next, b_next
             if c + 1 < CHUNKS:
-                w_next, b_next = _params(W, B, cols + CHUNK, cols + CHUNK < N, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+                w_next, b_next = _chunk_params(ws, bs, W, B, offs, N, c + 1, CHUNK, PARAM_CHUNKS, layout, HAS_WEIGHT,
+                                               HAS_BIAS, ZERO_CENTERED)
             x = xs.index(c).load(layout).to(gl.float32)
             if IS_RMS:
                 y = x * rstd
