@@ -55,7 +55,7 @@ def main():
     m, n = args.m, args.n
     torch.manual_seed(n)
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2 + 0.5
-    x[:, : n // 8] += 40  # chunk 0 far from the row's mean: the worst case of norm_fwd_staged._shifted_moments
+    x[:, : n // 8] += 40  # chunk 0 far from the row's mean: the worst case of norm_fwd_staged._warp_moments' shifts
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     rows = sorted({*range(256), *range(m // 2, m // 2 + 256), *range(m - 256, m)})

@@ -28,7 +28,7 @@ recompilation (M is a runtime argument marked `do_not_specialize`).
 import functools
 import os
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import triton
@@ -136,6 +136,11 @@ def staged_rows(*rows: torch.Tensor) -> bool:
     shared memory for them), row strides and addresses multiples of 16 (Triton must know it to compile
     16-byte copies)."""
     return all(t.element_size() == 2 and not (t.stride()[0] & 15 or t.data_ptr() & 15) for t in rows)
+
+
+def staged_params(*params: Optional[torch.Tensor]) -> bool:
+    """Whether the staged kernels can copy these parameters (absent ones aside): 16-byte aligned addresses."""
+    return all(p is None or not p.data_ptr() & 15 for p in params)
 
 
 BwdConfig = Union[TileConfig, SplitBwdConfig, CoopBwdConfig, StagedConfig]

@@ -187,7 +187,7 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
 def _stageable(src, dy, weight, dy_terms) -> bool:
     """What the staged backward needs of a call: x and dy its copies take (`config.staged_rows`), one dy
     (terms are summed in fp32 first), a 16-byte aligned weight (it is copied too)."""
-    return (not dy_terms and config.staged_rows(src, dy) and (weight is None or not weight.data_ptr() & 15))
+    return not dy_terms and config.staged_rows(src, dy) and config.staged_params(weight)
 
 
 @functools.lru_cache(maxsize=None)

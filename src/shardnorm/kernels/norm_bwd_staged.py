@@ -46,12 +46,12 @@ def fits(n: int, chunk: int, src_size: int, dy_size: int, num_grads: int) -> boo
 
 
 @gluon.jit
-def _row_terms(xs, dys, ws, W, MEAN, RSTD, row, first, offs, N, zero, layout: gl.constexpr, LATER: gl.constexpr,
-               CHUNKS: gl.constexpr, CHUNK: gl.constexpr, IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-               ZERO_CENTERED: gl.constexpr, STAGE_W: gl.constexpr):
+def _row_terms(xs, dys, ws, W, MEAN, RSTD, row, first, offs, N, zero, layout: gl.constexpr, CHUNKS: gl.constexpr,
+               CHUNK: gl.constexpr, IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, ZERO_CENTERED: gl.constexpr,
+               STAGE_W: gl.constexpr):
     """The row's mean (0 for RMSNorm) and rstd, and per lane the terms of its two row sums (xhat * w * dy,
     w * dy) over its chunks in shared memory (chunks first, first + 1, ...), each read once its copy group
-    has landed (LATER: groups issued after this row's, which may stay in flight)."""
+    has landed (the next row's CHUNKS groups, issued after this row's, may stay in flight)."""
     rstd = gl.load(RSTD + row)
     mean = 0.0
     if not IS_RMS:
@@ -59,7 +59,7 @@ def _row_terms(xs, dys, ws, W, MEAN, RSTD, row, first, offs, N, zero, layout: gl
     sum_xwdy = zero
     sum_wdy = zero
     for c in gl.static_range(CHUNKS):
-        async_copy.wait_group(LATER + CHUNKS - 1 - c)
+        async_copy.wait_group(2 * CHUNKS - 1 - c)
         cols = c * CHUNK + offs
         xhat, dy, wdy = _chunk_values(xs, dys, ws, W, first + c, c, cols, cols < N, mean, rstd, layout, IS_RMS,
                                       HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
@@ -290,7 +290,7 @@ def _publish_row(xs, dys, ws, W, MEAN, RSTD, words, group, step, slice_id, num_s
     (which would wait for this program's copies and stores in flight) and no barrier."""
     row = group + step * gl.num_programs(1)
     mean, rstd, sum_xwdy, sum_wdy = _row_terms(xs, dys, ws, W, MEAN, RSTD, row, first, offs, N, zero, layout, CHUNKS,
-                                               CHUNKS, CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
+                                               CHUNK, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, STAGE_W)
     part1, part2 = _row_sums(sum_xwdy, sum_wdy, IS_RMS)
     if SLICES > 1:
         at = words + (step % RING) * 2 * num_slices

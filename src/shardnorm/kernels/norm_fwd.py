@@ -192,9 +192,9 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
 
 
 def _stageable_params(weight, bias) -> bool:
-    """What the staged forward's parameter copies need: 16-byte aligned addresses, and a bias as wide as the
-    weight (the plan sizes shared memory by the weight's width)."""
-    return (weight is None or not weight.data_ptr() & 15) and (bias is None or not bias.data_ptr() & 15) and \
+    """What the staged forward's parameter copies need: 16-byte aligned addresses (`config.staged_params`), and
+    a bias as wide as the weight (the plan sizes shared memory by the weight's width)."""
+    return config.staged_params(weight, bias) and \
         (weight is None or bias is None or weight.element_size() == bias.element_size())
 
 

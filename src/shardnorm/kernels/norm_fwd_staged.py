@@ -47,36 +47,25 @@ def _issue_x(xs, X, row, M, N, stride_x, offs, c: gl.constexpr, CHUNK: gl.conste
 
 
 @gluon.jit
-def _params(W, B, cols, col_mask, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, ZERO_CENTERED: gl.constexpr):
-    """Weight (+ 1 when zero-centered) and bias of `cols` in fp32; 1 and 0 where absent."""
+def _chunk_params(ws, bs, W, B, offs, N, c: gl.constexpr, CHUNK: gl.constexpr, PARAM_CHUNKS: gl.constexpr,
+                  layout: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, ZERO_CENTERED: gl.constexpr):
+    """Chunk c's weight (+ 1 when zero-centered) and bias in fp32, 1 and 0 where absent: from shared memory for
+    the first PARAM_CHUNKS chunks (copied once per program), else from global memory (L2)."""
+    cols = c * CHUNK + offs
     w = 1.0
     b = 0.0
     if HAS_WEIGHT:
-        w = gl.load(W + cols, mask=col_mask, other=0.0).to(gl.float32)
+        if c < PARAM_CHUNKS:
+            w = ws.index(c).load(layout).to(gl.float32)
+        else:
+            w = gl.load(W + cols, mask=cols < N, other=0.0).to(gl.float32)
         if ZERO_CENTERED:
             w = w + 1.0
     if HAS_BIAS:
-        b = gl.load(B + cols, mask=col_mask, other=0.0).to(gl.float32)
-    return w, b
-
-
-@gluon.jit
-def _chunk_params(ws, bs, W, B, offs, N, c: gl.constexpr, CHUNK: gl.constexpr, PARAM_CHUNKS: gl.constexpr,
-                  layout: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, ZERO_CENTERED: gl.constexpr):
-    """Chunk c's weight and bias in fp32: from shared memory for the first PARAM_CHUNKS chunks (copied once per
-    program), else from global memory (L2)."""
-    if c < PARAM_CHUNKS:
-        w = 1.0
-        b = 0.0
-        if HAS_WEIGHT:
-            w = ws.index(c).load(layout).to(gl.float32)
-            if ZERO_CENTERED:
-                w = w + 1.0
-        if HAS_BIAS:
+        if c < PARAM_CHUNKS:
             b = bs.index(c).load(layout).to(gl.float32)
-    else:
-        cols = c * CHUNK + offs
-        w, b = _params(W, B, cols, cols < N, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+        else:
+            b = gl.load(B + cols, mask=cols < N, other=0.0).to(gl.float32)
     return w, b
 
 
@@ -152,7 +141,8 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
     for c in gl.static_range(CHUNKS):
         _issue_x(xs, X, pid, M, N, stride_x, offs, c, CHUNK)
     if HOLD_CHUNK0:
-        w_first, b_first = _params(W, B, offs, offs < N, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
+        w_first, b_first = _chunk_params(ws, bs, W, B, offs, N, 0, CHUNK, 0, layout, HAS_WEIGHT, HAS_BIAS,
+                                         ZERO_CENTERED)
     for row in range(pid, M, programs):
         # Statistics, each chunk as soon as its copy has landed (zero-filled past N).
         mean = 0.0
