@@ -24,6 +24,7 @@ import datetime
 import importlib.metadata
 import json
 import math
+import os
 import sys
 
 import torch
@@ -245,6 +246,22 @@ def comma_list(choices):
     return parse
 
 
+def host_path_on() -> str:
+    """shardnorm's C++ host path (its default), built before the first timing rather than in the background
+    during one; SHARDNORM_HOST_PATH=0 measures the Python path. Returns what ran."""
+    from shardnorm import host
+
+    if os.environ.get("SHARDNORM_HOST_PATH", "auto").lower() in ("0", "off", "false"):
+        host.enable(False)
+        return "off"
+    try:
+        host.enable(True)
+        return "on"
+    except Exception as error:  # the Python path: the table says so
+        print(f"host path unavailable: {error}", flush=True)
+        return f"unavailable: {error}"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -268,8 +285,10 @@ def main(argv=None):
     torch._functorch.config.donated_buffer = False  # compiled backward is re-run with retain_graph
     copy_gbs = copy_bandwidth()
     props = torch.cuda.get_device_properties(0)
+    host_path = host_path_on()
     meta = dict(gpu=props.name, sm_count=props.multi_processor_count, date=datetime.date.today().isoformat(),
                 torch=torch.__version__, triton=triton.__version__, peers=peer_versions(), copy_gbs=copy_gbs,
+                host_path=host_path,
                 repeats=args.repeats, command=" ".join([sys.executable.split("/")[-1]] + sys.argv))
     print(f"{props.name}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     weights = ["bfloat16"] if args.quick else args.weights.split(",")

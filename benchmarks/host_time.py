@@ -8,7 +8,8 @@
 
 Host time of one call: time.perf_counter around N calls queued back to back (no sync inside the
 timed loop, one before and after), the median of several rounds, the best of 3 such medians. Rows:
-shardnorm's module forward and forward+backward (`y.backward(dy)`), torch's native `F.rms_norm` /
+shardnorm's module forward and forward+backward (`y.backward(dy)`) with the C++ host path (`shardnorm.host`)
+and without it (`shardnorm_python`), torch's native `F.rms_norm` /
 `F.layer_norm`, Liger's if importable, the layers of a shardnorm call (functional, `ops.norm`, bare
 launchers, `torch.empty`), and the same forward+backward replayed from a CUDA graph (manual capture)
 and under `torch.compile(mode="reduce-overhead")`, i.e. the host time those leave.
@@ -92,6 +93,7 @@ def providers(case, pointers_ab=False):
     out = [("shardnorm", case.mod)] + [(TENSOR_POINTERS, case.mod)] * pointers_ab
     if case.device.type != "cuda":
         return out
+    out.append((PYTHON_PATH, case.mod))
     native = (lambda x: F.rms_norm(x, (n,), w, 1e-6)) if case.rms else (lambda x: F.layer_norm(x, (n,), w, b))
     out.append(("torch", native))
     try:
@@ -130,6 +132,11 @@ def pieces(case):
     )
     with torch.no_grad():
         out["module_fwd_no_grad"] = host_us(lambda: case.mod(x))
+    if dev.type == "cuda":  # the C++ entry point alone, called as ops.norm calls it
+        from shardnorm import host
+
+        module = host.load()
+        out["host_norm"] = host_us(lambda: module.norm(x, w, b, None, 1e-6, rms, False))
     return out
 
 
@@ -168,6 +175,15 @@ def captured(case, compile_too=True):
 
 
 TENSOR_POINTERS = "shardnorm_tensor_pointers"
+PYTHON_PATH = "shardnorm_python"  # shardnorm with the C++ host path off (`shardnorm.host`)
+
+
+def host_path(on: bool) -> None:
+    """The C++ host path on (built if need be) or off, where there is CUDA."""
+    if torch.cuda.is_available():
+        from shardnorm import host
+
+        host.enable(on)
 
 
 def measure(shapes, device, pointers_ab=False):
@@ -181,15 +197,18 @@ def measure(shapes, device, pointers_ab=False):
             for name, fwd in providers(case, pointers_ab):
                 launch.INT_POINTERS = name != TENSOR_POINTERS
                 try:
+                    host_path(name == "shardnorm")
                     row[name] = case.fwd_bwd(fwd)
                 except Exception:
                     row[name] = dict(error=traceback.format_exc(limit=3))
             launch.INT_POINTERS = True
+            host_path(False)  # the pieces are the Python path's layers (and the C++ entry point alone)
             parts = [("pieces", pieces)]
             if device.type == "cuda":  # compile reduce-overhead at the first shape only (seconds each)
                 parts.append(("captured", lambda c: captured(c, compile_too=i == 0)))
             for name, part in parts:
                 try:
+                    host_path(name == "captured")  # captured: what a user's graph gets, the host path on
                     row[name] = part(case)
                 except Exception:
                     row[name] = dict(error=traceback.format_exc(limit=3))
@@ -202,7 +221,7 @@ def markdown(rows) -> str:
     lines = ["| norm | M x N | provider | fwd us | fwd+bwd us | bwd us |", "|---|---|---|---|---|---|"]
     fmt = lambda d, k: f"{d[k]:.1f}" if k in d else "error" if "error" in d else "-"  # noqa: E731
     for r in rows:
-        for name in ("shardnorm", TENSOR_POINTERS, "torch", "liger"):
+        for name in ("shardnorm", PYTHON_PATH, TENSOR_POINTERS, "torch", "liger"):
             if name in r:
                 d = r[name]
                 lines.append(f"| {r['norm']} | {r['M']}x{r['N']} | {name} | {fmt(d, 'fwd')} | {fmt(d, 'fwd_bwd')} | "

@@ -173,3 +173,21 @@ def test_inductor_graph_pass_runs_after_an_existing_one(slot):
 def test_inductor_graph_pass_slot_is_checked():
     with pytest.raises(ValueError, match="slot must be one of"):
         compat.add_inductor_graph_pass("post_grad_custom_pre_pas", lambda graph: None, lambda: "v1")
+
+
+def test_aten_op_mode_sees_allocations_and_ops():
+    """host/record.py tells a replayable call (allocations only) from one that computes with torch ops."""
+    seen = []
+
+    class Mode(compat.aten_op_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 4)
+    with Mode():
+        torch.empty_like(x)
+        x.t().contiguous()
+    assert seen[0] == torch.ops.aten.empty_like.default and len(seen) > 1
+    assert not compat.transforms_active() and torch.func.vmap(
+        lambda t: torch.tensor(compat.transforms_active()))(x).all()

@@ -17,6 +17,7 @@ FSDP1: `ModuleWrapPolicy._run_policy` / `_module_classes` (a wrap policy that lo
   before choosing its classes), `MixedPrecision._module_classes_to_ignore` (norms kept in fp32).
 Inductor: `torch._inductor.config.pre_grad_custom_pass` / `post_grad_custom_post_pass` and
   `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes).
+Dispatch: `torch.utils._python_dispatch.TorchDispatchMode` (host/record.py sees a recorded call's aten ops).
 
 Framework-specific internals (DeepSpeed's AutoTP) stay in their adapter, `shardnorm/deepspeed/autotp.py`;
 Triton's launch internals in `shardnorm/kernels/launch.py`.
@@ -27,6 +28,8 @@ import functools
 import torch
 
 CHECKED_ON = ("2.11", "2.13")  # torch versions this file was checked against
+
+transforms_active = torch._C._are_functorch_transforms_active  # vmap/grad running: Functions take their wrapper
 
 
 # ---- autograd engine -------------------------------------------------------------------------------------
@@ -52,7 +55,6 @@ def fast_apply(function_class, tensors: int):
     if function_class.setup_context is not torch.autograd.Function.setup_context:
         raise TypeError("fast_apply: a Function with setup_context binds default args in apply; use .apply")
     c_apply = super(torch.autograd.Function, function_class).apply  # torch._C._FunctionBase.apply, bound
-    transforms_active = torch._C._are_functorch_transforms_active
     unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
     def apply(*args):
@@ -162,3 +164,12 @@ def add_inductor_graph_pass(slot: str, graph_pass, uuid) -> bool:
     chained.wraps = graph_pass  # on the instance: a class attribute would come back as a bound method
     setattr(config, slot, chained)
     return True
+
+
+# ---- dispatch ----------------------------------------------------------------------------------------------
+
+def aten_op_mode():
+    """TorchDispatchMode, the base class of a mode that sees every aten op run on this thread."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

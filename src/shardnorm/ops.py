@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _torch_compat, reference
+from . import _torch_compat, host, reference
 
 BACKENDS = ("triton", "torch")
 
@@ -195,9 +195,14 @@ _apply = _torch_compat.fast_apply(_EagerNorm, tensors=4)
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
          eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
-    if not _is_compiling() and (type(x) in _PLAIN_OR_NONE and type(weight) in _PLAIN_OR_NONE and  # _all_plain's
-                                type(bias) in _PLAIN_OR_NONE and type(residual) in _PLAIN_OR_NONE or  # common case
-                                _all_plain(x, weight, bias, residual, pending_ok=True)):  # without a generator
+    compiling = _is_compiling()
+    plain = not compiling and type(x) in _PLAIN_OR_NONE and type(weight) in _PLAIN_OR_NONE and \
+        type(bias) in _PLAIN_OR_NONE and type(residual) in _PLAIN_OR_NONE  # _all_plain's common case, inlined
+    if plain and x.is_cuda and _env_backend() is None:  # the C++ host path (host/), once built
+        if host.norm is not None and not _transforms_active():
+            return host.norm(x, weight, bias, residual, float(eps), rms, zero_centered)
+        host.start()
+    if plain or not compiling and _all_plain(x, weight, bias, residual, pending_ok=True):
         if not _grad_enabled():  # inference: no autograd node to build (the Function's apply, ~5-10 us)
             x, residual = _ready(x), _ready(residual)
             y, z, _, _ = _backend(x).norm_fwd(x, weight, bias, residual, float(eps), rms, zero_centered)
@@ -211,3 +216,4 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
 
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
+_transforms_active = _torch_compat.transforms_active

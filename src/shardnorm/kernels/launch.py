@@ -20,7 +20,10 @@ backward's incoming grads (dy, dz against the forward's outputs), and the custom
 """
 
 import operator
+import struct
+from typing import Callable, Optional
 
+import triton
 from torch import Tensor
 from torch.nn import Parameter
 from triton import knobs
@@ -29,6 +32,9 @@ from triton.runtime.jit import JITFunction
 
 # Cached launches pass tensors as ints (data_ptr()); False passes the tensors, for an A/B of host time.
 INT_POINTERS = True
+
+# While host/record.py records a call: (launcher, compiled kernel, grid, runtime args) of every launch.
+recorded: Optional[list] = None
 
 
 def _spec(arg):
@@ -65,8 +71,9 @@ class Launcher:
     plan, e.g. y = empty_like(x); each keyed tensor costs the key ~0.3 us of host time per launch."""
 
     def __init__(self, kernel, num_warps: int, num_ctas: int = 1, cooperative: bool = False, derived: tuple = (),
-                 **constexprs):
+                 replayable: bool = True, **constexprs):
         self.kernel = kernel
+        self.replayable = replayable  # False: its launches must not be replayed from C++ (host/record.py)
         self.options = dict(num_warps=num_warps, num_ctas=num_ctas) if num_ctas > 1 else dict(num_warps=num_warps)
         if cooperative:  # the driver's cooperative launch: all programs resident at once, or an error
             self.options["launch_cooperative_grid"] = True
@@ -82,6 +89,8 @@ class Launcher:
 
     def __call__(self, grid: tuple, *args) -> None:
         if not isinstance(self.kernel, JITFunction):
+            if recorded is not None:  # no compiled kernel to replay: the recording is refused
+                recorded.append((self, None, grid, args))
             self.kernel[grid](*args, **self.options, **self.constexprs)
             return
         active = driver.active
@@ -89,8 +98,12 @@ class Launcher:
         key = _key(device, args if self.keyed is None else self.keyed(args))
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, **self.options, **self.constexprs)
+            compiled = self.compiled[key] = self.kernel[grid](*args, **self.options, **self.constexprs)
+            if recorded is not None:
+                recorded.append((self, compiled, grid, args))
             return
+        if recorded is not None:
+            recorded.append((self, compiled, grid, args))
         stream = active.get_current_stream(device)
         grid3 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -108,3 +121,63 @@ class Launcher:
 def _installed(hook) -> bool:
     """A launch hook is set: a callable, or (newer Triton) a HookChain with calls in it."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+# ---- a launch as the C++ host path replays it (host/replay.cpp, recorded by host/record.py) ----------------
+
+# Triton versions whose C launcher the replay mirrors: the kernel's non-constexpr arguments in order, then the
+# scratch pointers it appends to every launch (global, profile), null where the kernel needs no scratch.
+_REPLAY_SCRATCH_POINTERS = {"3.6": 2}
+
+
+def replay_scratch_pointers() -> Optional[int]:
+    """How many scratch pointers this Triton's launches end with, or None: a version the replay does not know."""
+    return _REPLAY_SCRATCH_POINTERS.get(".".join(triton.__version__.split(".")[:2]))
+
+
+def replay_args(launcher: Launcher, compiled, grid: tuple, args: tuple, role_of: Callable):
+    """One recorded launch as `add_spec` takes it: (function, grid, threads, shared memory, scratch pointers,
+    [(is_pointer, role or scalar bytes)]), tensors named by `role_of(tensor)`; or why the replay's plain
+    cuLaunchKernel cannot stand in for Triton's launch (a string)."""
+    if compiled is None:
+        return "the interpreter's launch"
+    if not launcher.replayable:
+        return "a launcher with a workspace or a Gluon kernel"
+    meta = compiled.metadata
+    for field, value in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False),
+                         ("global_scratch_size", 0), ("profile_scratch_size", 0)):
+        if getattr(meta, field, value) != value:
+            return f"{field} = {getattr(meta, field)}"
+    if getattr(meta, "tensordesc_meta", None):
+        return "tensor descriptors"
+    params = []
+    for (name, kind), arg in zip(compiled.src.signature.items(), args):  # the runtime args; constexprs follow
+        if kind == "constexpr":  # declared constexprs, and None / ints of 1 that Triton specialized
+            continue
+        if kind.startswith("*"):
+            role = role_of(arg) if isinstance(arg, Tensor) else None
+            if role is None:
+                return f"argument {name}: a tensor that is no input or allocation of the call"
+            params.append((True, role))
+        else:
+            value = scalar_bytes(kind, arg)
+            if value is None:
+                return f"argument {name}: type {kind}"
+            params.append((False, value))
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    return compiled.function, grid3, 32 * meta.num_warps, meta.shared, replay_scratch_pointers(), params
+
+
+_FLOATS = {"fp32": "<f", "fp64": "<d", "fp16": "<e"}
+
+
+def scalar_bytes(kind: str, value) -> Optional[int]:
+    """A scalar argument of Triton type `kind` as the replay stores it: its little-endian bytes, zero-padded to
+    8, read as a signed 64-bit int; None for a type it does not pack (bf16)."""
+    if kind in _FLOATS:
+        raw = int.from_bytes(struct.pack(_FLOATS[kind], value), "little")
+    elif kind[0] in "iu" and kind[1:].isdigit():
+        raw = int(value) & ((1 << int(kind[1:])) - 1)
+    else:
+        return None
+    return raw - (1 << 64) if raw >= 1 << 63 else raw

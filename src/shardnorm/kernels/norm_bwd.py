@@ -227,16 +227,17 @@ class _BwdPlan:
             cfg = self.cfg
             self.slices = config.cdiv(n, cfg.slice_n)
             self.exchange_words = exchange_words
-            self.staged = Launcher(staged_slices_bwd_kernel, cfg.num_warps, cooperative=True, derived=(6, 7),
-                                   HAS_BIAS=has_bias, HAS_DZ=has_dz, VEC=cfg.vec, CHUNKS=cfg.slice_n // cfg.chunk,
+            self.staged = Launcher(staged_slices_bwd_kernel, cfg.num_warps, cooperative=True, replayable=False,
+                                   derived=(6, 7), HAS_BIAS=has_bias, HAS_DZ=has_dz, VEC=cfg.vec,
+                                   CHUNKS=cfg.slice_n // cfg.chunk,
                                    STAGE_W=stage_weight(cfg.slice_n, cfg.chunk,
                                                         weight_dtype.itemsize if has_weight else 0, cfg.slots),
                                    SLICES=config.next_pow2(self.slices), RING=EXCHANGE_RING, SLOTS=cfg.slots, **flags)
         elif isinstance(self.cfg, config.CoopBwdConfig):
             cfg = self.cfg
             self.slices = config.cdiv(n, cfg.slice_n)
-            self.coop = Launcher(coop_bwd_kernel, cfg.num_warps, cooperative=cfg.cooperative, HAS_BIAS=has_bias,
-                                 HAS_DZ=has_dz, BLOCK_M=cfg.block_m, SLICE_N=cfg.slice_n,
+            self.coop = Launcher(coop_bwd_kernel, cfg.num_warps, cooperative=cfg.cooperative, replayable=False,
+                                 HAS_BIAS=has_bias, HAS_DZ=has_dz, BLOCK_M=cfg.block_m, SLICE_N=cfg.slice_n,
                                  SLICES=config.next_pow2(self.slices), LOOKAHEAD=cfg.lookahead, RING=RING, **flags)
         elif isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx

@@ -228,9 +228,10 @@ class _FwdPlan:
             staged = config.STAGED_FWD
             if fits(n, staged.chunk, 2):
                 held = 0 if rms else param_chunks(n, staged.chunk, 2, param_size, has_weight + has_bias)
-                self.staged = Launcher(staged_fwd_kernel, staged.num_warps, derived=(3, 4, 5), IS_RMS=rms,
-                                       HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
-                                       VEC=staged.vec, CHUNKS=config.cdiv(n, staged.chunk), PARAM_CHUNKS=held,
+                self.staged = Launcher(staged_fwd_kernel, staged.num_warps, replayable=False, derived=(3, 4, 5),
+                                       IS_RMS=rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+                                       ZERO_CENTERED=zero_centered, VEC=staged.vec,
+                                       CHUNKS=config.cdiv(n, staged.chunk), PARAM_CHUNKS=held,
                                        HOLD_CHUNK0=not rms and not held and param_size == 2)
 
     def _programs(self, M):
