@@ -3,6 +3,8 @@
 #   host   the C++ host path (src/shardnorm/host/): build it, its GPU tests with CUDA graphs and the launcher's,
 #          then host time per call with and without it, torch and Liger in the same run (carry the Liger wheel)
 #   small  host, then small N (128-1024, QK-norm rows) with the peers but quack, the host path on
+#   suite  the kernel, module and error tests with the host path on (SHARDNORM_HOST_PATH=1: every eager call they
+#          make replays, checked against float64), then the module, error and compile tests as CI runs them (off)
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 gpu_versions
 case "${1:-host}" in
@@ -17,6 +19,11 @@ print(f'built in {time.time() - t:.0f} s')"
   small)
     box small_n 330 python3 benchmarks/bench_kernels.py --shapes genai,qk --max-n 1024 --weights bfloat16 \
         --providers shardnorm,torch,torch.compile,liger --out "$OUT/small_n.json" ;;
+  suite)
+    box suite_host_on 400 env SHARDNORM_HOST_PATH=1 python3 -m pytest -q -p no:cacheprovider \
+        ${SUITE_TESTS:-tests/test_kernels.py tests/test_modules.py tests/test_errors.py} -x -rs
+    [ -n "${HOST_ON_ONLY:-}" ] || box suite_host_off 300 python3 -m pytest -q -p no:cacheprovider tests/test_modules.py tests/test_errors.py \
+        tests/test_compile_fusion.py -x -rs ;;
 esac
 echo "== [$((SECONDS - t0)) s] done"
 # at most 8 files come back from a call: one archive (PACK=1)

@@ -219,6 +219,9 @@ def test_module_entry_takes_plain_calls_and_leaves_the_rest(fake, module, monkey
     ]
     for args in leave:
         assert module.module_norm(*args, True, False) is None, args
+    module.set_test_launcher(None)  # CPU tensors without a test launcher: the torch backend's (Python path)
+    assert module.module_norm(x, None, (64,), w, None, 1e-6, True, False) is None
+    module.set_test_launcher(fake.launch)
     monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
     assert module.module_norm(x, None, (64,), w, None, 1e-6, True, False) is None
     monkeypatch.delenv("SHARDNORM_BACKEND")

@@ -416,6 +416,7 @@ py::object module_norm(py::handle x_obj, py::handle residual_obj, py::handle sha
   if (x == nullptr || !supported_dtype(*x) || x->dim() == 0 || std::getenv("SHARDNORM_BACKEND") != nullptr) {
     return py::none();
   }
+  if (!x->is_cuda() && !(x->is_cpu() && callbacks().test_launcher)) return py::none();  // CPU: the torch backend
   if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) return py::none();
   int64_t N = single_size(shape);
   if (N <= 0 || x->size(-1) != N || x->numel() == 0 || row_stride(*x, x->numel() / N, N) < 0) return py::none();
