@@ -71,9 +71,20 @@ class FakeKernel:
 
     def record_backward(self, key, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
         self.recorded.append(("bwd", None if key is None else tuple(key)))
-        return shardnorm.reference.norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+        outputs = shardnorm.reference.norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+        if key is not None and dz is None and weight is not None and not zero_centered:  # dy, src, weight, rstd[, mean]
+            M, N = src.shape
+            grads = [([N], [1], weight.dtype)] * (1 + has_bias)
+            params = [(True, 0), (True, 2), (True, 3), (True, 5)] + ([] if rms else [(True, 4)])
+            params += [(True, ALLOC), (True, ALLOC + 1)] + ([(True, ALLOC + 2)] if has_bias else [])
+            params += [(False, M), (False, N), (False, int(rms) | int(has_bias) << 1)]
+            self.module.add_spec(key, True, [([M, N], [N, 1], src.dtype), *grads], [(2, (1, 1, 1), 128, 0, 2, params)],
+                                 [ALLOC, ALLOC + 1, ALLOC + 2 if has_bias else -1])
+        return outputs
 
     def launch(self, function, grid, block, shared, values, stream):
+        if function == 2:
+            return self.launch_backward(values)
         assert function == 1 and block == 128 and shared == 0 and stream == 0 and values[-2:] == [0, 0]
         flags = values[-3]
         rms, zero_centered, has_weight, has_bias = (bool(flags >> i & 1) for i in range(4))
@@ -95,6 +106,24 @@ class FakeKernel:
             mean = xd.mean(-1).float()
             ctypes.memmove(next(ptrs), mean.data_ptr(), M * 4)
         self.launches += 1
+
+    def launch_backward(self, values):
+        flags, M, N = values[-3], values[-5] & 0xFFFFFFFF, values[-4] & 0xFFFFFFFF
+        rms, has_bias = bool(flags & 1), bool(flags & 2)
+        ptrs = iter(values[:-5])
+        dy, src, weight = (self.tensors[next(ptrs)] for _ in range(3))
+        rstd = _from_address(next(ptrs), M)  # the forward replay's buffers: known by address only
+        mean = None if rms else _from_address(next(ptrs), M)
+        dy, src = dy.reshape(M, N), src.reshape(M, N)
+        out = shardnorm.reference.norm_bwd(dy, None, src, weight, mean, rstd, has_bias, rms, False)
+        for t in out[:2 + has_bias]:
+            ctypes.memmove(next(ptrs), t.contiguous().data_ptr(), t.numel() * t.element_size())
+        self.launches += 1
+
+
+def _from_address(address: int, count: int) -> torch.Tensor:
+    """A copy of `count` float32 values at a raw CPU address."""
+    return torch.frombuffer(bytearray((ctypes.c_char * (4 * count)).from_address(address)), dtype=torch.float32)
 
 
 @pytest.fixture
@@ -227,6 +256,31 @@ def test_module_entry_takes_plain_calls_and_leaves_the_rest(fake, module, monkey
     monkeypatch.delenv("SHARDNORM_BACKEND")
     assert torch.func.vmap(lambda t: module.module_norm(t, None, (64,), w.detach(), None, 1e-6, True, False)
                            is None and t.sum())(x.detach()) is not None
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_backward_replays_in_the_callers_shape(fake, module, rms):
+    """A 3-D call's backward: recorded through the Python callback once, then replayed with dx allocated in x's
+    shape; grads against float64 (the same grad tensor for two steps: the key's alias record does not change)."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    w = torch.randn(48, requires_grad=True)
+    b = None if rms else torch.randn(48, requires_grad=True)
+    dy = torch.randn(2, 5, 48)
+    fake.remember(x, w, b, dy)
+    for step in range(3):
+        for t in (x, w, b):
+            if t is not None:
+                t.grad = None
+        y, _ = module.module_norm(x, None, (48,), w, b, 1e-5, rms, False)
+        y.backward(dy)
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        b64 = None if b is None else b.detach().double().requires_grad_()
+        reference_norm(x64, w64, b64, None, 1e-5, rms).backward(dy.double())
+        assert x.grad.shape == x.shape and rel_err(x.grad, x64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5
+        if b is not None:
+            assert rel_err(b.grad, b64.grad) < 1e-5
+    assert [kind for kind, _ in fake.recorded] == ["fwd", "bwd"] and fake.launches == 4  # 2 replays each way
 
 
 def test_interpreter_launches_are_not_recorded():

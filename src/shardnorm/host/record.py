@@ -1,15 +1,17 @@
 """Recording one norm call for the C++ replay (replay.cpp): what it allocates and what it launches.
 
 The Python path runs once per call signature (the key replay.cpp builds: device, M, N, eps, flags, each
-tensor's dtype, 16-byte alignment and row stride) with two observers: a TorchDispatchMode that sees every
-aten op, and `kernels.launch.recorded`, which every Launcher appends to. A call is replayable when its ops
-are only allocations (`empty`, `empty_like`, `empty_strided`; `detach` aside) and its launches take nothing but the call's
-tensors, those allocations and scalars, on kernels the replay can launch (plain `cuLaunchKernel`: one CTA a
-program, no cooperative grid, no scratch buffers). Anything else, e.g. a `contiguous()` copy or a persistent
-workspace, leaves the signature to the Python path. The replay then allocates the same buffers and launches
-the same compiled kernels with the new call's addresses: bitwise the Python path's results.
+tensor's dtype, 16-byte alignment and row stride, which inputs share an address) with two observers on this
+thread: a TorchDispatchMode that sees every aten op, and `kernels.launch.recording`, where every Launcher
+reports its launches. A call is replayable when its ops are only allocations (`empty`, `empty_like`,
+`empty_strided`; `detach` aside) and its launches take nothing but the call's tensors, those allocations and
+scalars, on kernels the replay can launch (plain `cuLaunchKernel`: one CTA a program, no cooperative grid, no
+scratch buffers). Anything else, e.g. a `contiguous()` copy or a persistent workspace, leaves the signature to
+the Python path. The replay then allocates the same buffers and launches the same compiled kernels with the
+new call's addresses: bitwise the Python path's results.
 """
 
+import threading
 from typing import Callable
 
 import torch
@@ -45,12 +47,13 @@ def record(inputs: tuple, run: Callable[[], tuple]):
     """Run `run()` (the Python path on `inputs`), returning (its outputs, the spec of `add_spec`'s arguments
     after the key and the replay flag, or why the call is not replayable: a string)."""
     ops = _AtenOps()
-    launch.recorded = launches = []
+    thread = threading.get_ident()
+    launch.recording[thread] = launches = []
     try:
         with ops:
             outputs = run()
     finally:
-        launch.recorded = None
+        del launch.recording[thread]
     if ops.others:
         return outputs, f"torch ops other than allocations: {sorted(set(map(str, ops.others)))}"
     return outputs, _spec(inputs, outputs, launches, ops.allocations)

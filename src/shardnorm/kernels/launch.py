@@ -21,6 +21,7 @@ backward's incoming grads (dy, dz against the forward's outputs), and the custom
 
 import operator
 import struct
+import threading
 from typing import Callable, Optional
 
 import triton
@@ -33,8 +34,9 @@ from triton.runtime.jit import JITFunction
 # Cached launches pass tensors as ints (data_ptr()); False passes the tensors, for an A/B of host time.
 INT_POINTERS = True
 
-# While host/record.py records a call: (launcher, compiled kernel, grid, runtime args) of every launch.
-recorded: Optional[list] = None
+# While host/record.py records a call on a thread: thread id -> the (launcher, compiled kernel, grid, runtime
+# args) of every launch that thread makes (empty, and one dict lookup per launch, otherwise).
+recording: dict = {}
 
 
 def _spec(arg):
@@ -89,8 +91,8 @@ class Launcher:
 
     def __call__(self, grid: tuple, *args) -> None:
         if not isinstance(self.kernel, JITFunction):
-            if recorded is not None:  # no compiled kernel to replay: the recording is refused
-                recorded.append((self, None, grid, args))
+            if recording:  # no compiled kernel to replay: the recording is refused
+                _record(self, None, grid, args)
             self.kernel[grid](*args, **self.options, **self.constexprs)
             return
         active = driver.active
@@ -99,11 +101,11 @@ class Launcher:
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.compiled[key] = self.kernel[grid](*args, **self.options, **self.constexprs)
-            if recorded is not None:
-                recorded.append((self, compiled, grid, args))
+            if recording:
+                _record(self, compiled, grid, args)
             return
-        if recorded is not None:
-            recorded.append((self, compiled, grid, args))
+        if recording:
+            _record(self, compiled, grid, args)
         stream = active.get_current_stream(device)
         grid3 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -116,6 +118,12 @@ class Launcher:
                 args = [a.data_ptr() if type(a) in _TENSORS else a for a in args]
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
                          *self.trailing)
+
+
+def _record(launcher: "Launcher", compiled, grid: tuple, args: tuple) -> None:
+    launches = recording.get(threading.get_ident())
+    if launches is not None:
+        launches.append((launcher, compiled, grid, args))
 
 
 def _installed(hook) -> bool:
