@@ -55,6 +55,7 @@ class FakeKernel:
 
     def record_forward(self, key, x, weight, bias, residual, eps, rms, zero_centered):
         outputs = shardnorm.reference.norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+        outputs = tuple(None if t.numel() == 0 else t for t in outputs)  # absent as the kernels' (None)
         if key is not None:
             self.recorded.append(("fwd", tuple(key)))
             M, N = x.shape
@@ -245,6 +246,8 @@ def test_module_entry_takes_plain_calls_and_leaves_the_rest(fake, module, monkey
         (x, None, (64,), w, None, float("nan")),
         (x.transpose(0, 1), None, (64,), w, None, 1e-6),  # 3-D and not contiguous
         (x[:, :, :0], None, (0,), None, None, 1e-6),
+        (x, None, (64,), torch.randn(128)[::2], None, 1e-6),  # a strided weight: the Python path copies it
+        (x, None, (64,), w, None, 10**400),  # an eps no double holds
     ]
     for args in leave:
         assert module.module_norm(*args, True, False) is None, args
@@ -256,6 +259,12 @@ def test_module_entry_takes_plain_calls_and_leaves_the_rest(fake, module, monkey
     monkeypatch.delenv("SHARDNORM_BACKEND")
     assert torch.func.vmap(lambda t: module.module_norm(t, None, (64,), w.detach(), None, 1e-6, True, False)
                            is None and t.sum())(x.detach()) is not None
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():  # forward-mode AD: the Python path raises for it, a replay would drop the tangent
+        dual = fwad.make_dual(x.detach(), torch.randn_like(x))
+        assert module.module_norm(dual, None, (64,), w, None, 1e-6, True, False) is None
+        assert module.norm(dual.reshape(6, 64), w, None, None, 1e-6, True, False) is None
 
 
 @pytest.mark.parametrize("rms", [True, False])
@@ -293,6 +302,16 @@ def test_interpreter_launches_are_not_recorded():
     x, w = torch.randn(4, 64), torch.randn(64)
     outputs, spec = record.record((x, w, None, None), lambda: norm_fwd(x, w, None, None, 1e-5, True, False))
     assert isinstance(spec, str) and rel_err(outputs[0], reference_norm(x, w, None, None, 1e-5, True)) < 1e-6
+
+
+def test_mode_variable_is_checked(monkeypatch):
+    monkeypatch.setattr(host, "_state", "idle")
+    monkeypatch.setenv("SHARDNORM_HOST_PATH", "yes")
+    with pytest.raises(ValueError, match="SHARDNORM_HOST_PATH"):
+        host.start()
+    monkeypatch.setenv("SHARDNORM_HOST_PATH", "off")
+    host.start()
+    assert host._state == "off" and host.norm is None and host.module_norm is None
 
 
 def test_scalar_packing():

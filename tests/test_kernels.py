@@ -128,6 +128,12 @@ def test_strided_rows(backend, device):
     assert rel_err(y, reference_norm(x.cpu(), w.cpu(), None, None, 1e-5, False)) < 1e-5, seed
     xt = torch.randn(4, 6, 33, device=device).transpose(0, 1)  # needs a copy
     assert rel_err(shardnorm.rms_norm(xt, 33), reference_norm(xt.cpu(), None, None, None, 1e-6, True)) < 1e-5
+    wide = torch.randn(2 * 257, device=device, requires_grad=True)  # strided parameters: read as they are, not
+    b = torch.randn(3 * 257, device=device)[::3]                     # as if contiguous; grads reach the base
+    y = shardnorm.layer_norm(x, (257,), wide[::2], b)
+    assert rel_err(y, reference_norm(x.cpu(), wide[::2].detach().cpu(), b.cpu(), None, 1e-5, False)) < 1e-5, seed
+    y.sum().backward()
+    assert wide.grad[1::2].abs().max() == 0 and wide.grad[::2].abs().max() > 0
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])

@@ -87,7 +87,10 @@ def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool
 
 
 def _flat(p: Optional[Tensor], n: int) -> Optional[Tensor]:
-    return p if p is None or p.dim() == 1 else p.reshape(n)
+    """A parameter as the kernels read it: 1-D with unit stride (a strided view, e.g. w[::2], is copied)."""
+    if p is None or p.dim() == 1 and (p.stride(0) == 1 or n == 1):
+        return p
+    return p.reshape(n).contiguous()
 
 
 def layer_norm(x: Tensor, normalized_shape: ShapeLike, weight: Optional[Tensor] = None,

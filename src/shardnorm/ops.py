@@ -200,8 +200,11 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
         type(bias) in _PLAIN_OR_NONE and type(residual) in _PLAIN_OR_NONE  # _all_plain's common case, inlined
     if plain and x.is_cuda and _env_backend() is None:  # the C++ host path (host/), once built
         if host.norm is not None and not _transforms_active():
-            return host.norm(x, weight, bias, residual, float(eps), rms, zero_centered)
-        host.start()
+            out = host.norm(x, weight, bias, residual, float(eps), rms, zero_centered)
+            if out is not None:  # None: the call is the Python path's (forward-mode AD, wrapped tensors)
+                return out
+        else:
+            host.start()
     if plain or not compiling and _all_plain(x, weight, bias, residual, pending_ok=True):
         if not _grad_enabled():  # inference: no autograd node to build (the Function's apply, ~5-10 us)
             x, residual = _ready(x), _ready(residual)

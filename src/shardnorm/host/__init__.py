@@ -16,6 +16,8 @@ Triton backend, once the extension is built. `SHARDNORM_HOST_PATH`:
 The build (torch.utils.cpp_extension: a C++ compiler and ninja, ~35 s once per machine, cached in
 TORCH_EXTENSIONS_DIR) needs no CUDA toolkit. Where it cannot be built, a warning says why and the Python path
 stays. Replayed launches bypass Triton's launch hooks (profilers that install them see only recorded calls).
+A recording holds the plan a call got; after changing what plans read (SHARDNORM_LONG_FWD / _BWD, the knobs in
+kernels/config.py), `clear()` makes the next calls record again.
 """
 
 import logging
@@ -35,6 +37,8 @@ _state = "idle"  # idle -> building -> on | failed; or off
 _module = None
 _failed_tries: dict = {}  # key -> recordings that were not replayable; 2 make the key Python's for good
 refused: dict = {}  # key -> why its recording was not replayable (the last reason)
+_REMEMBERED = 1024  # refusal reasons kept at most (keys seen once, e.g. a new M per call, must not pile up)
+MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
 
 
 def start() -> None:
@@ -46,12 +50,18 @@ def start() -> None:
         if _state != "idle":
             return
         mode = os.environ.get("SHARDNORM_HOST_PATH", "auto").lower()
-        if mode in ("0", "off", "false"):
+        if mode not in MODES:
+            raise ValueError(f"SHARDNORM_HOST_PATH must be one of {', '.join(MODES)}, got {mode!r}")
+        if MODES[mode] == "off":
             _state = "off"
             return
         _state = "building"
-    if mode in ("1", "on", "true"):
-        _enable(load())
+    if MODES[mode] == "on":
+        try:
+            _enable(load())
+        except Exception:
+            _state = "failed"
+            raise
     else:
         threading.Thread(target=_build_in_background, name="shardnorm-host-build", daemon=True).start()
 
@@ -64,7 +74,9 @@ def _build_in_background() -> None:
         _log.warning("shardnorm: the C++ host path is off (%s); eager calls take the Python path", error)
         _state = "failed"
         return
-    _enable(module)
+    with _lock:
+        if _state == "building":  # not if enable(False) came in the meantime
+            _enable(module)
 
 
 def _enable(module) -> None:
@@ -153,9 +165,13 @@ def _recorded(key: list, inputs: tuple, run):
     if not isinstance(spec, str):
         _module.add_spec(key, True, *spec)
         return outputs
+    if len(refused) >= _REMEMBERED:
+        refused.clear()
+        _failed_tries.clear()
     refused[tuple(key)] = spec
+    # torch ops: a first call's compile may run ops of its own, so twice; any other reason is final
     tries = _failed_tries[tuple(key)] = _failed_tries.get(tuple(key), 0) + 1
-    if tries >= 2:  # twice: a first call's compile may run ops of its own
+    if tries >= 2 or not spec.startswith(record.TORCH_OPS):
         _module.add_spec(key, False, [], [], [])
     return outputs
 

@@ -19,6 +19,7 @@ import torch
 from .. import _torch_compat
 from ..kernels import launch
 
+TORCH_OPS = "torch ops other than allocations"
 ALLOC_BASE = 8  # roles: the call's inputs by position, then its allocations (replay.cpp's kAllocBase)
 _ALLOCATING = frozenset((torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
                          torch.ops.aten.empty_strided.default))
@@ -55,8 +56,11 @@ def record(inputs: tuple, run: Callable[[], tuple]):
     finally:
         del launch.recording[thread]
     if ops.others:
-        return outputs, f"torch ops other than allocations: {sorted(set(map(str, ops.others)))}"
-    return outputs, _spec(inputs, outputs, launches, ops.allocations)
+        return outputs, f"{TORCH_OPS}: {sorted(set(map(str, ops.others)))}"
+    try:
+        return outputs, _spec(inputs, outputs, launches, ops.allocations)
+    except Exception as error:  # e.g. a scalar that does not pack: the call stays the Python path's
+        return outputs, f"cannot describe the launches: {type(error).__name__}: {error}"
 
 
 def _spec(inputs, outputs, launches, allocations):

@@ -117,6 +117,31 @@ LaunchKernelFn driver_launch() {
   return fn;
 }
 
+// The device's primary context current on this thread, as Triton's launcher makes sure before each launch: a
+// thread that has not touched the CUDA runtime yet has none, and cuLaunchKernel would fail there.
+void ensure_context(const at::Device& device) {
+  thread_local int bound = -1;
+  if (bound == device.index()) return;
+  using GetCurrent = int (*)(void**);
+  using DeviceGet = int (*)(int*, int);
+  using Retain = int (*)(void**, int);
+  using SetCurrent = int (*)(void*);
+  static void* lib = dlopen("libcuda.so.1", RTLD_NOW);
+  static auto get_current = reinterpret_cast<GetCurrent>(dlsym(lib, "cuCtxGetCurrent"));
+  static auto device_get = reinterpret_cast<DeviceGet>(dlsym(lib, "cuDeviceGet"));
+  static auto retain = reinterpret_cast<Retain>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+  static auto set_current = reinterpret_cast<SetCurrent>(dlsym(lib, "cuCtxSetCurrent"));
+  TORCH_CHECK(get_current && device_get && retain && set_current, "shardnorm host path: libcuda lacks context calls");
+  void* context = nullptr;
+  TORCH_CHECK(get_current(&context) == 0, "shardnorm host path: cuCtxGetCurrent failed");
+  if (context == nullptr) {
+    int dev = 0;
+    TORCH_CHECK(device_get(&dev, device.index()) == 0 && retain(&context, dev) == 0 && set_current(context) == 0,
+                "shardnorm host path: cannot make device ", device.index(), "'s primary context current");
+  }
+  bound = device.index();
+}
+
 void* current_stream(const at::Device& device) {
   const auto* guard = c10::impl::getDeviceGuardImpl(device.type());
   return guard->getStream(device).native_handle();
@@ -165,7 +190,7 @@ bool push_param(Key& key, const OptTensor& p, int64_t N, const at::Device& devic
     key.push_back(-1);
     return true;
   }
-  if (p->dim() != 1 || p->size(0) != N || p->device() != device) return false;
+  if (p->dim() != 1 || p->size(0) != N || (N > 1 && p->stride(0) != 1) || p->device() != device) return false;
   key.push_back(dtype_code(*p));
   return true;
 }
@@ -201,7 +226,11 @@ std::vector<at::Tensor> replay(const Spec& spec, const at::Tensor* inputs, const
   auto tensor = [&](int64_t role) -> const at::Tensor& {
     return role < kAllocBase ? inputs[role] : allocs[role - kAllocBase];
   };
-  void* stream = spec.launches.empty() || !device.is_cuda() ? nullptr : current_stream(device);
+  void* stream = nullptr;
+  if (!spec.launches.empty() && device.is_cuda()) {
+    ensure_context(device);
+    stream = current_stream(device);
+  }
   for (const Launch& l : spec.launches) {
     if (static_cast<uint64_t>(l.grid[0]) * l.grid[1] * l.grid[2] == 0) continue;  // as Triton's launcher
     std::array<uint64_t, kMaxParams> values;
@@ -299,7 +328,11 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     bool keyed = false;
     if (forward_key.isIntList()) {
       key = forward_key.toIntVector();
-      keyed = push_rows(key, dy, M, N, src.device()) && push_rows(key, dz, M, N, src.device());
+      // the saved tensors as they come back (a saved-tensor hook, e.g. offloading, may hand back a copy of
+      // another layout), then the incoming grads
+      keyed = push_rows(key, src, M, N, src.device()) && push_rows(key, dy, M, N, src.device()) &&
+              push_rows(key, dz, M, N, src.device());
+      for (int i = 1; i < 4; ++i) key.push_back(saved[i].defined() ? dtype_code(saved[i]) : -1);
       push_aliases(key, {&dy, &dz, &src, &saved[1], &saved[2], &saved[3]});
       if (keyed) spec = find(key);
     }
@@ -356,6 +389,17 @@ bool forward_key(Key& key, const at::Tensor& x, const OptTensor& weight, const O
   return true;
 }
 
+// Inputs the Python path must take: forward-mode AD tangents (it raises for them; a replay would drop them), and
+// tensors without storage (functorch wrappers, which it unwraps).
+bool python_only(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && (!t->has_storage() || t->layout() != at::kStrided || t->_fw_grad(/*level=*/0).defined())) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // The differentiable norm of x [..., N] (rows with unit column stride): (y, x + residual or undefined).
 std::pair<at::Tensor, at::Tensor> run_norm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
                                            const OptTensor& residual, double eps, bool rms, bool zero_centered) {
@@ -373,9 +417,13 @@ std::pair<at::Tensor, at::Tensor> run_norm(const at::Tensor& x, const OptTensor&
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};
 }
 
-// ops.norm's entry: 2-D x [M, N] checked by the caller. -> (y, x + residual or None)
-py::tuple norm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
-               double eps, bool rms, bool zero_centered) {
+// ops.norm's entry: 2-D x [M, N] checked by the caller. -> (y, x + residual or None), or None for the Python path
+py::object norm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
+                double eps, bool rms, bool zero_centered) {
+  const at::Tensor none;
+  if (python_only({&x, weight ? &*weight : &none, bias ? &*bias : &none, residual ? &*residual : &none})) {
+    return py::none();
+  }
   auto [y, z] = run_norm(x, weight, bias, residual, eps, rms, zero_centered);
   return py::make_tuple(y, none_if_undefined(z));
 }
@@ -426,7 +474,8 @@ py::object module_norm(py::handle x_obj, py::handle residual_obj, py::handle sha
   for (int i = 0; i < 2; ++i) {
     if (objs[i].is_none()) continue;
     const at::Tensor* p = plain_tensor(objs[i]);
-    if (p == nullptr || !supported_dtype(*p) || p->dim() != 1 || p->size(0) != N || p->device() != device) {
+    if (p == nullptr || !supported_dtype(*p) || p->dim() != 1 || p->size(0) != N || p->device() != device ||
+        (N > 1 && p->stride(0) != 1)) {
       return py::none();
     }
     params[i] = *p;
@@ -440,11 +489,20 @@ py::object module_norm(py::handle x_obj, py::handle residual_obj, py::handle sha
     }
     residual = *r;
   }
+  const at::Tensor none;
+  if (python_only({x, params[0] ? &*params[0] : &none, params[1] ? &*params[1] : &none,
+                   residual ? &*residual : &none})) {
+    return py::none();
+  }
   double eps;
   if (eps_obj.is_none()) {
     eps = default_eps(x->scalar_type());
   } else if (PyFloat_CheckExact(eps_obj.ptr()) || PyLong_CheckExact(eps_obj.ptr())) {
     eps = PyFloat_AsDouble(eps_obj.ptr());
+    if (eps == -1.0 && PyErr_Occurred()) {  // an int too large for a double: the Python path's error
+      PyErr_Clear();
+      return py::none();
+    }
     if (!(eps >= 0)) return py::none();  // the Python path says what is wrong (NaN too)
   } else {
     return py::none();
