@@ -295,6 +295,11 @@ def main():
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (launches stubbed)"
                   if args.cpu_stub else "cpu", torch=torch.__version__, rounds=ROUNDS, calls=CALLS,
                   rows=measure(shapes, device, args.pointers_ab))
+    if device.type == "cuda":  # evidence that the host path's rows replayed (calls since the extension loaded)
+        from shardnorm import host
+
+        result["host_stats"] = host.stats()
+        result["host_refused"] = {str(k): v for k, v in host.refused.items()}
     table = markdown(result["rows"])
     print(table)
     if args.out:
