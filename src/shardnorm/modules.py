@@ -12,9 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import functional as F, host
-
-_is_compiling = torch.compiler.is_compiling
+from . import functional as F
 
 
 class _FusedNorm:
@@ -32,11 +30,7 @@ class _FusedNorm:
         params = self._parameters
         weight = params["weight"] if "weight" in params else self.weight
         bias = params["bias"] if "bias" in params else None if self._rms else getattr(self, "bias", None)
-        fast = host.module_norm  # the C++ host path (host/), where it is on and takes this call
-        out = fast(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma) \
-            if fast is not None and not _is_compiling() else None
-        y, z = out if out is not None else \
-            F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
+        y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
         return y if residual is None else (y, z)
 
     def reset_parameters(self) -> None:

@@ -102,18 +102,24 @@ bool may_record() {
 
 // ---- the driver ------------------------------------------------------------------------------------------
 
+// A libcuda entry point (the library is loaded already by torch and Triton).
+template <typename Fn>
+Fn cuda_symbol(const char* name) {
+  static void* lib = [] {
+    void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return handle != nullptr ? handle : dlopen("libcuda.so.1", RTLD_NOW);
+  }();
+  TORCH_CHECK(lib != nullptr, "shardnorm host path: cannot open libcuda.so.1");
+  auto fn = reinterpret_cast<Fn>(dlsym(lib, name));
+  TORCH_CHECK(fn != nullptr, "shardnorm host path: libcuda.so.1 has no ", name);
+  return fn;
+}
+
 using LaunchKernelFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                                void**, void**);
 
 LaunchKernelFn driver_launch() {
-  static LaunchKernelFn fn = [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);  // loaded already by torch and Triton
-    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
-    TORCH_CHECK(lib != nullptr, "shardnorm host path: cannot open libcuda.so.1");
-    auto f = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
-    TORCH_CHECK(f != nullptr, "shardnorm host path: libcuda.so.1 has no cuLaunchKernel");
-    return f;
-  }();
+  static LaunchKernelFn fn = cuda_symbol<LaunchKernelFn>("cuLaunchKernel");
   return fn;
 }
 
@@ -122,16 +128,10 @@ LaunchKernelFn driver_launch() {
 void ensure_context(const at::Device& device) {
   thread_local int bound = -1;
   if (bound == device.index()) return;
-  using GetCurrent = int (*)(void**);
-  using DeviceGet = int (*)(int*, int);
-  using Retain = int (*)(void**, int);
-  using SetCurrent = int (*)(void*);
-  static void* lib = dlopen("libcuda.so.1", RTLD_NOW);
-  static auto get_current = reinterpret_cast<GetCurrent>(dlsym(lib, "cuCtxGetCurrent"));
-  static auto device_get = reinterpret_cast<DeviceGet>(dlsym(lib, "cuDeviceGet"));
-  static auto retain = reinterpret_cast<Retain>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
-  static auto set_current = reinterpret_cast<SetCurrent>(dlsym(lib, "cuCtxSetCurrent"));
-  TORCH_CHECK(get_current && device_get && retain && set_current, "shardnorm host path: libcuda lacks context calls");
+  static auto get_current = cuda_symbol<int (*)(void**)>("cuCtxGetCurrent");
+  static auto device_get = cuda_symbol<int (*)(int*, int)>("cuDeviceGet");
+  static auto retain = cuda_symbol<int (*)(void**, int)>("cuDevicePrimaryCtxRetain");
+  static auto set_current = cuda_symbol<int (*)(void*)>("cuCtxSetCurrent");
   void* context = nullptr;
   TORCH_CHECK(get_current(&context) == 0, "shardnorm host path: cuCtxGetCurrent failed");
   if (context == nullptr) {
@@ -162,9 +162,9 @@ int64_t row_stride(const at::Tensor& t, int64_t M, int64_t N) {
   return t.dim() >= 1 && t.size(-1) == N && t.numel() == M * N && t.is_contiguous() ? N : -1;
 }
 
-// t as the [M, N] rows the Python path takes (a view where t is not 2-D).
+// t as the [M, N] rows the Python path takes (a view where t is not 2-D and its strides allow, else a copy).
 at::Tensor as_rows(const at::Tensor& t, int64_t N) {
-  return !t.defined() || t.dim() == 2 ? t : t.view({-1, N});
+  return !t.defined() || t.dim() == 2 ? t : t.reshape({-1, N});
 }
 
 // A 2-D result of the Python path in the caller's shape, as a tensor of its own (not a view: a Function's
@@ -345,10 +345,9 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
       ++counts[kPythonBackward];
       py::gil_scoped_acquire gil;
       bool record = keyed && !spec && may_record();
-      // rows as 2-D views (dy's may copy where it is not contiguous), dx back in src's shape
-      auto rows = [N](const at::Tensor& t) { return t.dim() == 2 || !t.defined() ? t : t.reshape({-1, N}); };
+      // rows (dy's a copy where it is not contiguous), dx back in src's shape
       py::tuple result = callbacks().record_backward(
-          record ? py::cast(key) : py::none(), rows(dy), none_if_undefined(rows(dz)), rows(src),
+          record ? py::cast(key) : py::none(), as_rows(dy, N), none_if_undefined(as_rows(dz, N)), as_rows(src, N),
           none_if_undefined(saved[1]), none_if_undefined(saved[2]), saved[3], has_bias, bool(flags & kRms),
           bool(flags & kZeroCentered));
       out = {tensor_of(result[0]).view(src.sizes()), tensor_of(result[1]), tensor_of(result[2])};
