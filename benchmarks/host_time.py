@@ -7,12 +7,14 @@
     python benchmarks/host_time.py --pointers-ab            # + a row with launch.INT_POINTERS = False
 
 Host time of one call: time.perf_counter around N calls queued back to back (no sync inside the
-timed loop, one before and after), the median of several rounds, the best of 3 such medians. Rows:
+timed loop, one before and after), the median of several rounds, the best of 3 such medians. The providers
+of a shape take turns round by round, so a slow stretch of the shared CPU falls on all of them. Rows:
 shardnorm's module forward and forward+backward (`y.backward(dy)`) with the C++ host path (`shardnorm.host`)
-and without it (`shardnorm_python`), torch's native `F.rms_norm` /
-`F.layer_norm`, Liger's if importable, the layers of a shardnorm call (functional, `ops.norm`, bare
-launchers, `torch.empty`), and the same forward+backward replayed from a CUDA graph (manual capture)
-and under `torch.compile(mode="reduce-overhead")`, i.e. the host time those leave.
+and without it (`shardnorm_python`), shardnorm's functional call (`shardnorm_functional`), torch's native
+`F.rms_norm` / `F.layer_norm` (`torch`) and its `nn.RMSNorm` / `nn.LayerNorm` module (`torch_module`): module
+against module, function against function. Then Liger's module if importable, the layers of a shardnorm call
+(functional, `ops.norm`, bare launchers, `torch.empty`), and the same forward+backward replayed from a CUDA
+graph (manual capture) and under `torch.compile(mode="reduce-overhead")`, i.e. the host time those leave.
 
 --cpu-stub times shardnorm's layers on CPU tensors with the Triton launches replaced by a no-op
 (SHARDNORM_BACKEND=triton, no interpreter): the Python and allocation part of a call, on any machine.
@@ -41,20 +43,32 @@ def sync():
 
 def host_us(fn, before=None, calls=CALLS, rounds=ROUNDS, best_of=3) -> float:
     """Host microseconds per call: best of `best_of` medians over `rounds` rounds of `calls` calls."""
-    medians = []
+    return host_us_interleaved({"fn": (fn, before, None)}, calls, rounds, best_of)["fn"]
+
+
+def host_us_interleaved(fns: dict, calls=CALLS, rounds=ROUNDS, best_of=3) -> dict:
+    """host_us of each `name: (fn, before, setup)`, the fns taking turns within every round (in an order
+    rotated round by round); `setup` (or None) runs untimed before each turn (e.g. the host path on or off)."""
+    names = list(fns)
+    best = {}
     for _ in range(best_of):
-        samples = []
-        for _ in range(rounds):
-            sync()
-            start = time.perf_counter()
-            for _ in range(calls):
-                if before is not None:
-                    before()
-                fn()
-            samples.append((time.perf_counter() - start) / calls * 1e6)
-            sync()
-        medians.append(statistics.median(samples))
-    return min(medians)
+        samples = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                fn, before, setup = fns[name]
+                if setup is not None:
+                    setup()
+                sync()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    if before is not None:
+                        before()
+                    fn()
+                samples[name].append((time.perf_counter() - start) / calls * 1e6)
+                sync()
+        for name in names:
+            best[name] = min(best.get(name, float("inf")), statistics.median(samples[name]))
+    return best
 
 
 class Case:
@@ -78,24 +92,36 @@ class Case:
         for t in self.leaves:
             t.grad = None
 
-    def fwd_bwd(self, fwd):
-        """The forward+backward of fwd, and a backward alone (over a retained graph)."""
+    def timed(self, name, fwd, setup):
+        """`name/fwd`, `name/fwd_bwd`, `name/bwd` (a backward alone, over a retained graph) for
+        host_us_interleaved; the graph is built with `setup` done (it fixes which autograd node it has)."""
         x, dy = self.x, self.dy
+        setup()
         y = fwd(x)
-        return dict(fwd=host_us(lambda: fwd(x)), fwd_bwd=host_us(lambda: fwd(x).backward(dy), self.clear),
-                    bwd=host_us(lambda: y.backward(dy, retain_graph=True), self.clear))
+        return {f"{name}/fwd": (lambda: fwd(x), None, setup),
+                f"{name}/fwd_bwd": (lambda: fwd(x).backward(dy), self.clear, setup),
+                f"{name}/bwd": (lambda: y.backward(dy, retain_graph=True), self.clear, setup)}
 
 
 def providers(case, pointers_ab=False):
     """(name, forward) of every provider that runs here; `pointers_ab`: shardnorm again with tensors
     passed to Triton's launcher instead of their addresses (`measure` flips `launch.INT_POINTERS`)."""
+    import shardnorm.functional as SF
+
     n, w, b = case.n, case.w, case.b
     out = [("shardnorm", case.mod)] + [(TENSOR_POINTERS, case.mod)] * pointers_ab
     if case.device.type != "cuda":
         return out
     out.append((PYTHON_PATH, case.mod))
-    native = (lambda x: F.rms_norm(x, (n,), w, 1e-6)) if case.rms else (lambda x: F.layer_norm(x, (n,), w, b))
-    out.append(("torch", native))
+    if case.rms:
+        ours, native = (lambda x: SF.rms_norm(x, (n,), w, 1e-6)), (lambda x: F.rms_norm(x, (n,), w, 1e-6))
+        module = torch.nn.RMSNorm(n, eps=1e-6)
+    else:
+        ours, native = (lambda x: SF.layer_norm(x, (n,), w, b)), (lambda x: F.layer_norm(x, (n,), w, b))
+        module = torch.nn.LayerNorm(n)
+    module = module.to(case.device, w.dtype)
+    module.load_state_dict(case.mod.state_dict())
+    out += [(FUNCTIONAL, ours), ("torch", native), ("torch_module", module)]
     try:
         if case.rms:
             from liger_kernel.transformers import LigerRMSNorm
@@ -176,6 +202,7 @@ def captured(case, compile_too=True):
 
 TENSOR_POINTERS = "shardnorm_tensor_pointers"
 PYTHON_PATH = "shardnorm_python"  # shardnorm with the C++ host path off (`shardnorm.host`)
+FUNCTIONAL = "shardnorm_functional"  # shardnorm.functional's rms_norm / layer_norm, the host path on
 
 
 def host_path(on: bool) -> None:
@@ -194,13 +221,19 @@ def measure(shapes, device, pointers_ab=False):
         for rms in (True, False):
             case = Case(m, n, rms, device)
             row = dict(M=m, N=n, norm="rms" if rms else "layer")
+            timed = {}
             for name, fwd in providers(case, pointers_ab):
-                launch.INT_POINTERS = name != TENSOR_POINTERS
+                def setup(name=name):  # the host path and launch arguments this provider runs with
+                    launch.INT_POINTERS = name != TENSOR_POINTERS
+                    host_path(name in ("shardnorm", FUNCTIONAL))
+
                 try:
-                    host_path(name == "shardnorm")
-                    row[name] = case.fwd_bwd(fwd)
+                    timed.update(case.timed(name, fwd, setup))
                 except Exception:
                     row[name] = dict(error=traceback.format_exc(limit=3))
+            for key, us in host_us_interleaved(timed).items():
+                name, what = key.split("/")
+                row.setdefault(name, {})[what] = us
             launch.INT_POINTERS = True
             host_path(False)  # the pieces are the Python path's layers (and the C++ entry point alone)
             parts = [("pieces", pieces)]
@@ -221,7 +254,7 @@ def markdown(rows) -> str:
     lines = ["| norm | M x N | provider | fwd us | fwd+bwd us | bwd us |", "|---|---|---|---|---|---|"]
     fmt = lambda d, k: f"{d[k]:.1f}" if k in d else "error" if "error" in d else "-"  # noqa: E731
     for r in rows:
-        for name in ("shardnorm", PYTHON_PATH, TENSOR_POINTERS, "torch", "liger"):
+        for name in ("shardnorm", PYTHON_PATH, TENSOR_POINTERS, "torch_module", FUNCTIONAL, "torch", "liger"):
             if name in r:
                 d = r[name]
                 lines.append(f"| {r['norm']} | {r['M']}x{r['N']} | {name} | {fmt(d, 'fwd')} | {fmt(d, 'fwd_bwd')} | "
