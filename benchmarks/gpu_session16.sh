@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
 # Session 16's GPU runs. Usage: OUT=dir [PACK=1] bash benchmarks/gpu_session16.sh STAGE
-#   hints  the staged forward's L2 cache hints (CACHE_HINTS) at N = 65536 with and without held parameters, then
-#          host time per call with the providers interleaved round by round (carry the Liger wheel)
-#   final  quack stage_a (carry .whl/quack_a); the staged forward's GPU tests and the kernel tests' long rows
-#   peers  quack install (call 2 of 2, right after `final` on the same machine; carry .whl/quack_b and the Liger
+#   hints  (run 4) the staged forward's L2 cache hints, results/h100-2026-11-25-s16/run4/cache_hints.diff applied
+#          (git apply; the commit after c13e6ff reverted it), at N = 65536 with and without held parameters
+#   host   quack stage_a where .whl/quack_a is carried; host time per call with the providers interleaved round by
+#          round (carry the Liger wheel)
+#   peers  quack install (call 2 of 2, right after `host` on the same machine; carry .whl/quack_b and the Liger
 #          wheel), then bench_kernels' long rows with every peer
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 gpu_versions
-case "${1:-hints}" in
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl > /dev/null 2>&1
+case "${1:-host}" in
   hints)
+    git apply "${PATCH:-benchmarks/results/h100-2026-11-25-s16/run4/cache_hints.diff}" || exit 1
     box fwd_hints 300 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/fwd_hints.json" --warps 32 \
-        --param-chunks 0,3 --hints ${HINTS:-0,1,2,4,5,6}
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl > /dev/null 2>&1
+        --param-chunks 0,3 --hints ${HINTS:-0,1,2,4,5,6} ;;
+  host)
+    [ -d .whl/quack_a ] && source benchmarks/quack_env.sh stage_a
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
     box host_time 300 python3 benchmarks/host_time.py --shapes 8x4096 8x1024 4096x128 --out "$OUT/host_time" ;;
-  final)
-    [ -d .whl/quack_a ] && source benchmarks/quack_env.sh stage_a
-    box fwd_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_long_rows_staged.py -k forward -rs
-    box kernel_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
-        -k "long or 20000 or 40000 or graph" -rs ;;
   peers)
     source benchmarks/quack_env.sh install || exit 1
     box longrow_peers 560 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \

@@ -213,28 +213,36 @@ def host_path(on: bool) -> None:
         host.enable(on)
 
 
-def measure(shapes, device, pointers_ab=False):
+def time_providers(case, row, pointers_ab=False):
+    """Every provider's forward, forward+backward and backward, interleaved, into row[provider]. The retained
+    graphs go when this returns: one kept alive holds the parameters' AccumulateGrad nodes, which would make a
+    later CUDA graph capture's backward touch the legacy stream."""
     from shardnorm.kernels import launch
 
+    timed = {}
+    for name, fwd in providers(case, pointers_ab):
+        def setup(name=name):  # the host path and launch arguments this provider runs with
+            launch.INT_POINTERS = name != TENSOR_POINTERS
+            host_path(name in ("shardnorm", FUNCTIONAL))
+
+        try:
+            timed.update(case.timed(name, fwd, setup))
+        except Exception:
+            row[name] = dict(error=traceback.format_exc(limit=3))
+    for key, us in host_us_interleaved(timed).items():
+        name, what = key.split("/")
+        row.setdefault(name, {})[what] = us
+    launch.INT_POINTERS = True
+    case.clear()
+
+
+def measure(shapes, device, pointers_ab=False):
     rows = []
     for i, (m, n) in enumerate(shapes):
         for rms in (True, False):
             case = Case(m, n, rms, device)
             row = dict(M=m, N=n, norm="rms" if rms else "layer")
-            timed = {}
-            for name, fwd in providers(case, pointers_ab):
-                def setup(name=name):  # the host path and launch arguments this provider runs with
-                    launch.INT_POINTERS = name != TENSOR_POINTERS
-                    host_path(name in ("shardnorm", FUNCTIONAL))
-
-                try:
-                    timed.update(case.timed(name, fwd, setup))
-                except Exception:
-                    row[name] = dict(error=traceback.format_exc(limit=3))
-            for key, us in host_us_interleaved(timed).items():
-                name, what = key.split("/")
-                row.setdefault(name, {})[what] = us
-            launch.INT_POINTERS = True
+            time_providers(case, row, pointers_ab)
             host_path(False)  # the pieces are the Python path's layers (and the C++ entry point alone)
             parts = [("pieces", pieces)]
             if device.type == "cuda":  # compile reduce-overhead at the first shape only (seconds each)

@@ -9,7 +9,6 @@ rstd checked against float64 on sampled rows, then timed with do_bench_cudagraph
 parameters and statistics are not counted, as in bench_kernels.py).
 
     python benchmarks/longrow_fwd_variants.py --out OUT.json [--n 65536] [--m 32768] [--warps 16,32] [--param-chunks 0,3]
-        [--hints 0,1,2,4]
 """
 
 import argparse
@@ -48,7 +47,6 @@ def main():
     parser.add_argument("--m", type=int, default=32768)
     parser.add_argument("--n", type=int, default=65536)
     parser.add_argument("--warps", default="16,32")
-    parser.add_argument("--hints", default="0", help="CACHE_HINTS values of staged_fwd_kernel (L2 eviction bits)")
     parser.add_argument("--param-chunks", default="0,3",
                         help="chunks whose parameters are held in shared memory (0: chunk 0's in registers, LayerNorm)")
     args = parser.parse_args()
@@ -63,10 +61,8 @@ def main():
     rows = sorted({*range(256), *range(m // 2, m // 2 + 256), *range(m - 256, m)})
     nbytes = 2 * m * n * x.element_size()
     results = []
-    for norm, warps, held, hints in itertools.product(("layer", "layer_no_bias", "rms"),
-                                                      map(int, args.warps.split(",")),
-                                                      map(int, args.param_chunks.split(",")),
-                                                      map(int, args.hints.split(","))):
+    for norm, warps, held in itertools.product(("layer", "layer_no_bias", "rms"), map(int, args.warps.split(",")),
+                                               map(int, args.param_chunks.split(","))):
         rms = norm == "rms"
         bias = norm == "layer"
         chunk = config.StagedConfig(warps).chunk
@@ -78,10 +74,9 @@ def main():
             staged_fwd_kernel[(min(m, sms),)](x, w, b if bias else None, y, None if rms else mean, rstd, x.stride(0),
                                               m, n, EPS, IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=bias,
                                               ZERO_CENTERED=False, VEC=8, CHUNKS=config.cdiv(n, chunk),
-                                              PARAM_CHUNKS=held, HOLD_CHUNK0=not rms and not held, CACHE_HINTS=hints,
-                                              num_warps=warps)
+                                              PARAM_CHUNKS=held, HOLD_CHUNK0=not rms and not held, num_warps=warps)
 
-        row = dict(norm=norm, M=m, N=n, num_warps=warps, param_chunks=held, cache_hints=hints)
+        row = dict(norm=norm, M=m, N=n, num_warps=warps, param_chunks=held)
         try:
             call()
             torch.cuda.synchronize()
@@ -105,7 +100,7 @@ def main():
         json.dump(dict(meta=meta, rows=results), f, indent=1)
     print(f"copy {copy_gbs:.0f} GB/s")
     for r in results:
-        print(f"{r['norm']:5} w{r['num_warps']} held{r['param_chunks']} hints{r['cache_hints']} "
+        print(f"{r['norm']:5} w{r['num_warps']} held{r['param_chunks']} "
               + (f"graph {100 * r['graph_of_copy']:.0f}% bench {100 * r['bench_of_copy']:.0f}% err {r['err']}"
                  if "failed" not in r else r["failed"]))
 

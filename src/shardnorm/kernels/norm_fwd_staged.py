@@ -48,8 +48,7 @@ def _issue_x(xs, X, row, M, N, stride_x, offs, c: gl.constexpr, CHUNK: gl.conste
 
 @gluon.jit
 def _chunk_params(ws, bs, W, B, offs, N, c: gl.constexpr, CHUNK: gl.constexpr, PARAM_CHUNKS: gl.constexpr,
-                  layout: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, ZERO_CENTERED: gl.constexpr,
-                  EVICT: gl.constexpr = ""):
+                  layout: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, ZERO_CENTERED: gl.constexpr):
     """Chunk c's weight (+ 1 when zero-centered) and bias in fp32, 1 and 0 where absent: from shared memory for
     the first PARAM_CHUNKS chunks (copied once per program), else from global memory (L2)."""
     cols = c * CHUNK + offs
@@ -59,14 +58,14 @@ def _chunk_params(ws, bs, W, B, offs, N, c: gl.constexpr, CHUNK: gl.constexpr, P
         if c < PARAM_CHUNKS:
             w = ws.index(c).load(layout).to(gl.float32)
         else:
-            w = gl.load(W + cols, mask=cols < N, other=0.0, eviction_policy=EVICT).to(gl.float32)
+            w = gl.load(W + cols, mask=cols < N, other=0.0).to(gl.float32)
         if ZERO_CENTERED:
             w = w + 1.0
     if HAS_BIAS:
         if c < PARAM_CHUNKS:
             b = bs.index(c).load(layout).to(gl.float32)
         else:
-            b = gl.load(B + cols, mask=cols < N, other=0.0, eviction_policy=EVICT).to(gl.float32)
+            b = gl.load(B + cols, mask=cols < N, other=0.0).to(gl.float32)
     return w, b
 
 
@@ -114,16 +113,10 @@ def _warp_moments(xs, N, CHUNKS: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.
 def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
                       IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr,
-                      PARAM_CHUNKS: gl.constexpr, HOLD_CHUNK0: gl.constexpr, CACHE_HINTS: gl.constexpr = 0):
+                      PARAM_CHUNKS: gl.constexpr, HOLD_CHUNK0: gl.constexpr):
     """PARAM_CHUNKS: leading chunks whose parameters are copied into shared memory once (`param_chunks`);
     HOLD_CHUNK0: chunk 0's 2-byte parameters held in registers across rows where none fit in shared memory
-    (loaded at the y pass's start, LayerNorm measured 87 % of copy instead of 94 %: an L2 round trip a row).
-    CACHE_HINTS (bits): 1 y stored evict_first, 2 y stored streaming (.cs), 4 parameters read from L2
-    evict_last: the streamed rows should not push the parameters every row re-reads out of L2. (Triton 3.6
-    drops an eviction policy on cp.async, so x's copies take none.)"""
-    Y_EVICT: gl.constexpr = "evict_first" if CACHE_HINTS & 1 else ""
-    Y_CACHE: gl.constexpr = ".cs" if CACHE_HINTS & 2 else ""
-    P_EVICT: gl.constexpr = "evict_last" if CACHE_HINTS & 4 else ""
+    (loaded at the y pass's start, LayerNorm measured 87 % of copy instead of 94 %: an L2 round trip a row)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
@@ -169,14 +162,14 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
             w_next, b_next = w_first, b_first
         else:
             w_next, b_next = _chunk_params(ws, bs, W, B, offs, N, 0, CHUNK, PARAM_CHUNKS, layout, HAS_WEIGHT, HAS_BIAS,
-                                           ZERO_CENTERED, P_EVICT)
+                                           ZERO_CENTERED)
         for c in gl.static_range(CHUNKS):
             cols = c * CHUNK + offs
             col_mask = cols < N
             w, b = w_next, b_next
             if c + 1 < CHUNKS:
                 w_next, b_next = _chunk_params(ws, bs, W, B, offs, N, c + 1, CHUNK, PARAM_CHUNKS, layout, HAS_WEIGHT,
-                                               HAS_BIAS, ZERO_CENTERED, P_EVICT)
+                                               HAS_BIAS, ZERO_CENTERED)
             x = xs.index(c).load(layout).to(gl.float32)
             if IS_RMS:
                 y = x * rstd
@@ -185,8 +178,7 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
             else:  # one multiply-add an element: (x - mean) * rstd * w + b = x * scale + (b - mean * scale)
                 scale = rstd * w
                 y = x * scale + (b - mean * scale)
-            gl.store(Y + row64 * N + cols, y.to(Y.dtype.element_ty), mask=col_mask, cache_modifier=Y_CACHE,
-                     eviction_policy=Y_EVICT)
+            gl.store(Y + row64 * N + cols, y.to(Y.dtype.element_ty), mask=col_mask)
             _issue_x(xs, X, row + programs, M, N, stride_x, offs, c, CHUNK)
         if not IS_RMS:
             gl.store(MEAN + row, mean)
