@@ -2,6 +2,8 @@
 # Session 16's GPU runs. Usage: OUT=dir [PACK=1] bash benchmarks/gpu_session16.sh STAGE
 #   hints  (run 4) the staged forward's L2 cache hints, results/h100-2026-11-25-s16/run4/cache_hints.diff applied
 #          (git apply; the commit after c13e6ff reverted it), at N = 65536 with and without held parameters
+#   sliced the sliced forward (staged_slices_fwd_kernel, every slice's parameters in shared memory) against the
+#          one-program one: correctness at small M (fewer rows than row groups, a partial last round), then N = 65536
 #   host   quack stage_a where .whl/quack_a is carried; host time per call with the providers interleaved round by
 #          round (carry the Liger wheel)
 #   peers  quack install (call 2 of 2, right after `host` on the same machine; carry .whl/quack_b and the Liger
@@ -14,6 +16,13 @@ case "${1:-host}" in
     git apply "${PATCH:-benchmarks/results/h100-2026-11-25-s16/run4/cache_hints.diff}" || exit 1
     box fwd_hints 300 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/fwd_hints.json" --warps 32 \
         --param-chunks 0,3 --hints ${HINTS:-0,1,2,4,5,6} ;;
+  sliced)
+    box sliced_small 90 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/sliced_small.json" --m 1000 \
+        --warps 16,32 --param-chunks sliced
+    box sliced_tiny 60 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/sliced_tiny.json" --m 20 \
+        --warps 32 --param-chunks sliced
+    box sliced 300 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/sliced.json" --warps 16,32 \
+        --param-chunks 3,sliced ;;
   host)
     [ -d .whl/quack_a ] && source benchmarks/quack_env.sh stage_a
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
