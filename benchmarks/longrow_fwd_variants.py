@@ -8,8 +8,7 @@ rstd checked against float64 on sampled rows, then timed with do_bench_cudagraph
 3 medians), the device-to-device copy measured in the same run. Bytes: read x, write y (2 x M x N x 2; the
 parameters and statistics are not counted, as in bench_kernels.py).
 
-    python benchmarks/longrow_fwd_variants.py --out OUT.json [--n 65536] [--m 32768] [--warps 16,32]
-        [--param-chunks 0,3,sliced] [--slice-n 16384]
+    python benchmarks/longrow_fwd_variants.py --out OUT.json [--n 65536] [--m 32768] [--warps 16,32] [--param-chunks 0,3]
 """
 
 import argparse
@@ -24,8 +23,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import copy_bandwidth  # noqa: E402
 from shardnorm.kernels import config  # noqa: E402
-from shardnorm.kernels.norm_bwd_staged import EXCHANGE_RING, exchange_words  # noqa: E402
-from shardnorm.kernels.norm_fwd_staged import staged_fwd_kernel, staged_slices_fwd_kernel  # noqa: E402
+from shardnorm.kernels.norm_fwd_staged import staged_fwd_kernel  # noqa: E402
 
 EPS = 1e-5
 
@@ -50,9 +48,7 @@ def main():
     parser.add_argument("--n", type=int, default=65536)
     parser.add_argument("--warps", default="16,32")
     parser.add_argument("--param-chunks", default="0,3",
-                        help="chunks whose parameters are held in shared memory (0: chunk 0's in registers, LayerNorm); "
-                             "'sliced': the sliced forward (staged_slices_fwd_kernel), slices of --slice-n columns")
-    parser.add_argument("--slice-n", type=int, default=16384)
+                        help="chunks whose parameters are held in shared memory (0: chunk 0's in registers, LayerNorm)")
     args = parser.parse_args()
     copy_gbs = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -62,36 +58,23 @@ def main():
     x[:, : n // 8] += 40  # chunk 0 far from the row's mean: the worst case of norm_fwd_staged._warp_moments' shifts
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    rows = sorted(r for r in {*range(256), *range(m // 2, m // 2 + 256), *range(m - 256, m)} if 0 <= r < m)
+    rows = sorted({*range(256), *range(m // 2, m // 2 + 256), *range(m - 256, m)})
     nbytes = 2 * m * n * x.element_size()
     results = []
     for norm, warps, held in itertools.product(("layer", "layer_no_bias", "rms"), map(int, args.warps.split(",")),
-                                               args.param_chunks.split(",")):
+                                               map(int, args.param_chunks.split(","))):
         rms = norm == "rms"
         bias = norm == "layer"
         chunk = config.StagedConfig(warps).chunk
         y = torch.empty_like(x)
         mean = torch.empty(m, device="cuda", dtype=torch.float32)
         rstd = torch.empty_like(mean)
-        if held == "sliced":
-            slices = config.cdiv(n, args.slice_n)
-            grid = (slices, sms // slices)
-            exchange = exchange_words(x.device, torch.cuda.current_stream().cuda_stream, sms)
 
-            def call():
-                staged_slices_fwd_kernel[grid](x, w, b if bias else None, y, None if rms else mean, rstd, exchange,
-                                               x.stride(0), m, n, EPS, IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=bias,
-                                               ZERO_CENTERED=False, VEC=8, CHUNKS=args.slice_n // chunk,
-                                               SLICES=config.next_pow2(slices), RING=EXCHANGE_RING, SLOTS=3,
-                                               num_warps=warps, launch_cooperative_grid=True)
-        else:
-            held = int(held)
-
-            def call():
-                staged_fwd_kernel[(min(m, sms),)](x, w, b if bias else None, y, None if rms else mean, rstd,
-                                                  x.stride(0), m, n, EPS, IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=bias,
-                                                  ZERO_CENTERED=False, VEC=8, CHUNKS=config.cdiv(n, chunk),
-                                                  PARAM_CHUNKS=held, HOLD_CHUNK0=not rms and not held, num_warps=warps)
+        def call():
+            staged_fwd_kernel[(min(m, sms),)](x, w, b if bias else None, y, None if rms else mean, rstd, x.stride(0),
+                                              m, n, EPS, IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=bias,
+                                              ZERO_CENTERED=False, VEC=8, CHUNKS=config.cdiv(n, chunk),
+                                              PARAM_CHUNKS=held, HOLD_CHUNK0=not rms and not held, num_warps=warps)
 
         row = dict(norm=norm, M=m, N=n, num_warps=warps, param_chunks=held)
         try:

@@ -27,6 +27,7 @@ from parallel.metrics import MetricsLogger, logger, setup_logging
 from parallel.model import build_model
 from parallel.parallelize import parallelize, uses_norm_reducer
 from parallel.runtime import CollectivePhase, Runtime, init_runtime, shutdown
+from shardnorm import host
 
 
 def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
@@ -145,6 +146,8 @@ def main() -> None:
         "world_size": world_size, "dp": dp, "tp": tp, "compile": cfg.train.compile,
         "dtype": cfg.train.dtype, "device": str(runtime.device),
         "memory_kind": runtime.memory_kind, **collectives})
+    if runtime.device.type == "cuda":  # rank 0's eager norm calls: replayed from C++ or run by the Python path
+        summary["host_path"] = host.status()
     reference = None
     if cfg.train.check:
         reference = reference_losses(cfg, runtime.device, dp)

@@ -179,3 +179,9 @@ def _recorded(key: list, inputs: tuple, run):
 def stats() -> dict:
     """Calls replayed and calls the Python path ran (forward, backward) since the extension loaded."""
     return _module.stats() if _module is not None else {}
+
+
+def status() -> dict:
+    """Where the host path stands (idle: no CUDA call yet; building, on, failed or off) with `stats()` and the
+    number of refused signatures: what a training job logs to show its norm calls replayed."""
+    return {"state": _state, **stats(), "refused_signatures": len(refused)}

@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from .norm_bwd_staged import SMEM_BYTES, _bits, _value, add_pairs
+from .norm_bwd_staged import SMEM_BYTES, add_pairs
 
 
 SCRATCH_BYTES = 1024  # left free for the reductions' scratch
@@ -38,11 +38,10 @@ def param_chunks(n: int, chunk: int, x_size: int, param_size: int, params: int) 
 
 
 @gluon.jit
-def _issue_x(xs, X, row, M, N, stride_x, offs, at, col0):
-    """cp.async of columns col0 + offs of `row` of x into chunk slot `at` (nothing past M or N: the copy
-    zero-fills); one group."""
-    cols = col0 + offs
-    async_copy.async_copy_global_to_shared(xs.index(at), X + row.to(gl.int64) * stride_x + cols,
+def _issue_x(xs, X, row, M, N, stride_x, offs, c: gl.constexpr, CHUNK: gl.constexpr):
+    """cp.async of chunk c of `row` of x (nothing past M: the copy zero-fills) into its slot; one group."""
+    cols = c * CHUNK + offs
+    async_copy.async_copy_global_to_shared(xs.index(c), X + row.to(gl.int64) * stride_x + cols,
                                            mask=(cols < N) & (row < M))
     async_copy.commit_group()
 
@@ -80,37 +79,34 @@ def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 @gluon.jit
-def _warp_moments(xs, N, CHUNKS: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.constexpr, first=0, start=0,
-                  PENDING: gl.constexpr = 0):
-    """A LayerNorm row's (count, mean, M2) in one pass with no block-wide step before the last: each warp sums
+def _warp_moments(xs, N, CHUNKS: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """A LayerNorm row's mean and variance in one pass with no block-wide step before the last: each warp sums
     x - K_w and (x - K_w)^2 over its columns of every chunk, K_w the mean of its columns of chunk 0 (a reduction
     within the warp), and the warps' (count, mean, M2) meet in one Chan reduction. A warp's variance loses at most
-    log2(CHUNKS) bits to cancellation (its chunk-0 columns are 1 / CHUNKS of its columns). The chunks are xs'
-    first, first + 1, ... holding columns start, start + 1, ... (a slice of the row), each read once its copy
-    has landed with PENDING later groups still in flight. Needs N - start >= CHUNK (every warp has columns in
-    chunk 0): the staged forwards' rows and slices are that long."""
+    log2(CHUNKS) bits to cancellation (its chunk-0 columns are 1 / CHUNKS of its columns). Needs N >= CHUNK (every
+    warp has columns in chunk 0): the staged forward's rows are longer than 32768."""
     W: gl.constexpr = 32 * VEC  # a warp's columns of a chunk
     CHUNK: gl.constexpr = W * NUM_WARPS
     layout2: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [NUM_WARPS, 1], [1, 0])
     warp = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, layout2))
     cols = warp[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, layout2))[None, :]
-    left = N - start  # the row's columns from this slice's first on
-    count = gl.minimum(gl.maximum(left - warp * W, 1), W).to(gl.float32)  # chunk 0's columns of each warp
-    async_copy.wait_group(PENDING + CHUNKS - 1)
-    first_chunk = xs.index(first).reshape([NUM_WARPS, W]).load(layout2).to(gl.float32)  # zero-filled past N
-    shift = gl.sum(first_chunk, axis=1) / count
-    d = gl.where(cols < left, first_chunk - shift[:, None], 0.0)
+    count = gl.minimum(gl.maximum(N - warp * W, 1), W).to(gl.float32)  # chunk 0's columns of each warp
+    async_copy.wait_group(CHUNKS - 1)
+    first = xs.index(0).reshape([NUM_WARPS, W]).load(layout2).to(gl.float32)  # zero-filled past N
+    shift = gl.sum(first, axis=1) / count
+    d = gl.where(cols < N, first - shift[:, None], 0.0)
     s1 = d
     s2 = d * d
     for c in gl.static_range(1, CHUNKS):
-        async_copy.wait_group(PENDING + CHUNKS - 1 - c)
-        d = gl.where(c * CHUNK + cols < left,
-                     xs.index(first + c).reshape([NUM_WARPS, W]).load(layout2).to(gl.float32) - shift[:, None], 0.0)
+        async_copy.wait_group(CHUNKS - 1 - c)
+        d = gl.where(c * CHUNK + cols < N,
+                     xs.index(c).reshape([NUM_WARPS, W]).load(layout2).to(gl.float32) - shift[:, None], 0.0)
         s1 += d
         s2 += d * d
-        count += gl.minimum(gl.maximum(left - c * CHUNK - warp * W, 0), W).to(gl.float32)
+        count += gl.minimum(gl.maximum(N - c * CHUNK - warp * W, 0), W).to(gl.float32)
     t1, t2 = gl.reduce((s1, s2), 1, add_pairs)  # within each warp
-    return gl.reduce((count, shift + t1 / count, gl.maximum(t2 - t1 * t1 / count, 0.0)), 0, _chan)
+    n, mean, m2 = gl.reduce((count, shift + t1 / count, gl.maximum(t2 - t1 * t1 / count, 0.0)), 0, _chan)
+    return mean, m2 / n
 
 
 @gluon.jit
@@ -143,7 +139,7 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
                 async_copy.async_copy_global_to_shared(bs.index(c), B + c * CHUNK + offs, mask=c * CHUNK + offs < N)
         async_copy.commit_group()
     for c in gl.static_range(CHUNKS):
-        _issue_x(xs, X, pid, M, N, stride_x, offs, c, c * CHUNK)
+        _issue_x(xs, X, pid, M, N, stride_x, offs, c, CHUNK)
     if HOLD_CHUNK0:
         w_first, b_first = _chunk_params(ws, bs, W, B, offs, N, 0, CHUNK, 0, layout, HAS_WEIGHT, HAS_BIAS,
                                          ZERO_CENTERED)
@@ -158,8 +154,7 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
                 total += x * x
             var = gl.sum(total, axis=0) / N
         else:
-            n, mean, m2 = _warp_moments(xs, N, CHUNKS, VEC, NUM_WARPS)
-            var = m2 / n
+            mean, var = _warp_moments(xs, N, CHUNKS, VEC, NUM_WARPS)
         rstd = 1.0 / gl.sqrt(var + eps)
         # y; the parameters of chunk c + 1 are in flight while chunk c is written.
         row64 = row.to(gl.int64)
@@ -184,142 +179,8 @@ def staged_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, M, N, eps,
                 scale = rstd * w
                 y = x * scale + (b - mean * scale)
             gl.store(Y + row64 * N + cols, y.to(Y.dtype.element_ty), mask=col_mask)
-            _issue_x(xs, X, row + programs, M, N, stride_x, offs, c, c * CHUNK)
+            _issue_x(xs, X, row + programs, M, N, stride_x, offs, c, CHUNK)
         if not IS_RMS:
             gl.store(MEAN + row, mean)
         gl.store(RSTD + row, rstd)
     async_copy.wait_group(0)  # the last (empty) copies, before the program's shared memory goes
-
-
-# ---- rows split into column slices: every slice's parameters held in shared memory ------------------------
-
-
-@gluon.jit
-def staged_slices_fwd_kernel(X, W, B, Y, MEAN, RSTD, EXCHANGE, stride_x, M, N, eps,
-                             IS_RMS: gl.constexpr, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                             ZERO_CENTERED: gl.constexpr, VEC: gl.constexpr, CHUNKS: gl.constexpr,
-                             SLICES: gl.constexpr, RING: gl.constexpr, SLOTS: gl.constexpr):
-    """Program (slice s, group g) stages columns [s * CHUNKS * CHUNK, +CHUNKS * CHUNK) of rows g, g + G, ... in
-    SLOTS row slots and holds that slice's weight and bias in shared memory (a whole row's leaves no room for
-    them, so the one-program forward reads most of them from L2 every row). The slices of a row meet through
-    tagged words as in `staged_slices_bwd_kernel` (launched cooperatively): each publishes its (mean, M2)
-    (RMSNorm: its sum of squares), row i + 1's before row i's are awaited, and every slice merges them in
-    slice order, so all get the same bits. SLICES: the slice count, a power of two; EXCHANGE:
-    `norm_bwd_staged.exchange_words`; every slice but the last has N - start >= CHUNK (`_warp_moments`)."""
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
-    SLICE: gl.constexpr = CHUNKS * CHUNK
-    gl.static_assert(SLOTS == 3)  # one row in the y pass, one published, one in flight
-    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
-    staged: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    xs = gl.allocate_shared_memory(X.dtype.element_ty, [SLOTS * CHUNKS, CHUNK], staged)
-    slice_id = gl.program_id(0)
-    num_slices = gl.num_programs(0)
-    group = gl.program_id(1)
-    groups = gl.num_programs(1)
-    words = EXCHANGE + groups + group * RING * 2 * num_slices  # the group's ring: [RING, 2, slices]
-    start = slice_id * SLICE
-    offs = start + gl.arange(0, CHUNK, layout=layout)
-    ws = xs  # unused unless there is a weight / bias
-    bs = xs
-    if HAS_WEIGHT:  # one copy group, older than the rows': waiting for a row's chunk 0 waits for it too
-        ws = gl.allocate_shared_memory(W.dtype.element_ty, [CHUNKS, CHUNK], staged)
-        for c in gl.static_range(CHUNKS):
-            async_copy.async_copy_global_to_shared(ws.index(c), W + c * CHUNK + offs, mask=c * CHUNK + offs < N)
-    if HAS_BIAS:
-        bs = gl.allocate_shared_memory(B.dtype.element_ty, [CHUNKS, CHUNK], staged)
-        for c in gl.static_range(CHUNKS):
-            async_copy.async_copy_global_to_shared(bs.index(c), B + c * CHUNK + offs, mask=c * CHUNK + offs < N)
-    async_copy.commit_group()
-    steps = (M - group + groups - 1) // groups
-    for r in gl.static_range(SLOTS - 1):
-        for c in gl.static_range(CHUNKS):
-            _issue_x(xs, X, group + r * groups, M, N, stride_x, offs, r * CHUNKS + c, c * CHUNK)
-    _publish_moments(xs, words, 0, slice_id, num_slices, N, start, 0, CHUNKS, VEC, NUM_WARPS, IS_RMS, RING, CHUNKS)
-    for step in range(0, steps):
-        row = group + step * groups
-        slot = step % SLOTS
-        ahead = (step + SLOTS - 1) % SLOTS  # the slot row step - 1 left: the row after next goes there
-        for c in gl.static_range(CHUNKS):
-            _issue_x(xs, X, row + (SLOTS - 1) * groups, M, N, stride_x, offs, ahead * CHUNKS + c, c * CHUNK)
-        if step + 1 < steps:  # the next row's moments out before this row's are awaited
-            _publish_moments(xs, words, step + 1, slice_id, num_slices, N, start, ((step + 1) % SLOTS) * CHUNKS,
-                             CHUNKS, VEC, NUM_WARPS, IS_RMS, RING, CHUNKS)
-        mean, rstd = _await_moments(words, step, num_slices, N, eps, SLICE, SLICES, IS_RMS, RING)
-        row64 = row.to(gl.int64)
-        for c in gl.static_range(CHUNKS):
-            cols = c * CHUNK + offs
-            w, b = _chunk_params(ws, bs, W, B, offs, N, c, CHUNK, CHUNKS, layout, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED)
-            x = xs.index(slot * CHUNKS + c).load(layout).to(gl.float32)
-            if IS_RMS:
-                y = x * rstd
-                if HAS_WEIGHT:
-                    y = y * w
-            else:
-                scale = rstd * w
-                y = x * scale + (b - mean * scale)
-            gl.store(Y + row64 * N + cols, y.to(Y.dtype.element_ty), mask=cols < N)
-        if slice_id == 0:
-            if not IS_RMS:
-                gl.store(MEAN + row, mean)
-            gl.store(RSTD + row, rstd)
-    async_copy.wait_group(0)
-    # The group's last slice out zeroes the group's words, so the next launch starts from tags that match no row.
-    if gl.atomic_add(EXCHANGE + group, 1, sem="acq_rel", scope="gpu") == num_slices - 1:
-        for i in gl.static_range(RING * 2 * SLICES):
-            gl.store(words + i, 0, mask=i < RING * 2 * num_slices)
-        gl.store(EXCHANGE + group, 0)
-
-
-@gluon.jit
-def _publish_moments(xs, words, step, slice_id, num_slices, N, start, first, CHUNKS: gl.constexpr, VEC: gl.constexpr,
-                     NUM_WARPS: gl.constexpr, IS_RMS: gl.constexpr, RING: gl.constexpr, PENDING: gl.constexpr):
-    """This slice's moments of the group's `step`-th row (chunks at `first`, PENDING copy groups after them
-    in flight) out as tagged words: (mean, M2) of its columns, RMSNorm its sum of squares."""
-    at = words + (step % RING) * 2 * num_slices
-    tag = gl.to_tensor(step + 1).to(gl.int64) << 32
-    if IS_RMS:
-        CHUNK: gl.constexpr = VEC * 32 * NUM_WARPS
-        layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
-        total = gl.zeros([CHUNK], gl.float32, layout)
-        for c in gl.static_range(CHUNKS):
-            async_copy.wait_group(PENDING + CHUNKS - 1 - c)
-            x = xs.index(first + c).load(layout).to(gl.float32)
-            total += x * x
-        gl.atomic_xchg(at + slice_id, tag | _bits(gl.sum(total, axis=0)), sem="relaxed", scope="gpu")
-    else:
-        n, mean, m2 = _warp_moments(xs, N, CHUNKS, VEC, NUM_WARPS, first, start, PENDING)
-        gl.atomic_xchg(at + slice_id, tag | _bits(mean), sem="relaxed", scope="gpu")
-        gl.atomic_xchg(at + num_slices + slice_id, tag | _bits(m2), sem="relaxed", scope="gpu")
-
-
-@gluon.jit
-def _await_moments(words, step, num_slices, N, eps, SLICE: gl.constexpr, SLICES: gl.constexpr, IS_RMS: gl.constexpr,
-                   RING: gl.constexpr):
-    """Poll the `step`-th row's words until every slice's carries the row's tag; the row's mean and rstd from
-    the slices' moments, merged in slice order (Chan: M2 = sum M2_s + n_s (mean_s - mean)^2)."""
-    layout: gl.constexpr = gl.BlockedLayout([SLICES], [32], [gl.num_warps()], [0])
-    at = words + (step % RING) * 2 * num_slices
-    sl = gl.arange(0, SLICES, layout=layout)
-    valid = sl < num_slices
-    tag = gl.to_tensor(step + 1).to(gl.int64) << 32
-    pending = True
-    first = gl.zeros([SLICES], gl.int64, layout)
-    second = first
-    while pending:
-        first = gl.load(at + sl, mask=valid, other=tag, volatile=True)
-        ready = (first >> 32) == (step + 1)
-        if not IS_RMS:
-            second = gl.load(at + num_slices + sl, mask=valid, other=tag, volatile=True)
-            ready = ready & ((second >> 32) == (step + 1))
-        pending = gl.min(ready.to(gl.int32), axis=0) == 0
-    if IS_RMS:
-        mean = 0.0
-        var = gl.sum(gl.where(valid, _value(first), 0.0), axis=0) / N
-    else:
-        count = gl.where(valid, gl.minimum(gl.maximum(N - sl * SLICE, 0), SLICE), 0).to(gl.float32)
-        means = gl.where(valid, _value(first), 0.0)
-        mean = gl.sum(count * means, axis=0) / N
-        delta = means - mean
-        var = gl.sum(gl.where(valid, _value(second) + count * delta * delta, 0.0), axis=0) / N
-    return mean, 1.0 / gl.sqrt(var + eps)
