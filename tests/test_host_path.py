@@ -172,6 +172,61 @@ def test_replay_on_cpu(fake, module, rms, dtype, M, N):
     assert y2.grad_fn is None and torch.equal(y2, y1) and fake.launches == 2
 
 
+class _Pending(torch.autograd.Function):
+    """A tensor handed out as a collective's pending result (AsyncCollectiveTensor) with an autograd edge back
+    to it, as DTensor's to_local hands out a sequence-parallel shard: the wrapper has no storage of its own."""
+
+    @staticmethod
+    def forward(ctx, t):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        return AsyncCollectiveTensor(t.detach().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_pending_collective_results_replay(fake, module, rms):
+    """x (or the residual) as a collective's pending result: the autograd edge is the wrapper, the kernels read
+    the waited tensor behind it (x_data); y and the grads reaching the tensor before the wrapper are the norm's."""
+    torch.manual_seed(11)
+    M, N, eps = 6, 64, 1e-5
+    source = torch.randn(M, N, requires_grad=True)
+    weight = torch.randn(N, requires_grad=True)
+    bias = None if rms else torch.randn(N, requires_grad=True)
+    x = _Pending.apply(source)
+    assert type(x).__name__ == "AsyncCollectiveTensor" and x.grad_fn is not None
+    data = x.wait()
+    fake.remember(data, weight, bias)
+    assert module.norm(x, weight, bias, None, eps, rms, False) is None  # no storage: only with x_data
+    assert module.norm(x, weight, bias, None, eps, rms, False, data[:, :32], None) is None  # not x's shape
+    for _ in range(2):  # records, then replays
+        y, z = module.norm(x, weight, bias, None, eps, rms, False, data, None)
+    assert fake.launches == 1 and z is None and type(y) is torch.Tensor and y.grad_fn is not None
+    assert rel_err(y, reference_norm(source.detach(), weight.detach(), bias, None, eps, rms)) < 1e-6
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    s64, w64 = source.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    b64 = None if bias is None else bias.detach().double().requires_grad_()
+    reference_norm(s64, w64, b64, None, eps, rms).backward(dy.double())
+    for got, want in zip((source.grad, weight.grad), (s64.grad, w64.grad)):
+        assert got is not None and rel_err(got, want) < 1e-5
+    # a pending residual beside a plain x: z = x + residual, its grad reaches the residual's source
+    source.grad = None
+    r_source = torch.randn(M, N, requires_grad=True)
+    residual = _Pending.apply(r_source)
+    plain_x = torch.randn(M, N, requires_grad=True)
+    r_data = residual.wait()
+    fake.remember(plain_x, r_data)
+    y, z = module.norm(plain_x, weight, bias, residual, eps, rms, False, None, r_data)
+    assert torch.equal(z, plain_x + r_source) and z.grad_fn is not None
+    assert rel_err(y, reference_norm(plain_x + r_source, weight, bias, None, eps, rms)) < 1e-6
+    (y * dy).sum().backward()
+    assert r_source.grad is not None and torch.equal(r_source.grad, plain_x.grad)
+
+
 def test_key_tells_signatures_apart(fake, module):
     x = torch.randn(4, 32)
     w = torch.randn(32)
@@ -391,6 +446,45 @@ def test_replay_matches_python_path(host_on, case):
                 assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     expected = reference_norm(x, weight, bias, residual, eps, rms, zero_centered)
     assert rel_err(runs[-1][0], expected) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@cuda
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["rms", "layer-residual"])
+def test_pending_inputs_replay_as_plain_ones(host_on, case):
+    """ops.norm on a collective's pending results (sequence parallel's norm inputs: a DTensor's local shard
+    is an AsyncCollectiveTensor): replayed, bitwise the Python path's on plain tensors, grads through the
+    wrapper's autograd edge."""
+    rms, has_bias, has_residual, zero_centered, dtype, wdtype, M, N = case
+    torch.manual_seed(M + N)
+    dev = "cuda"
+    x = torch.randn(M, N, device=dev, dtype=dtype)
+    weight = torch.randn(N, device=dev, dtype=wdtype)
+    bias = torch.randn(N, device=dev, dtype=wdtype) if has_bias else None
+    residual = torch.randn(M, N, device=dev, dtype=dtype) if has_residual else None
+    dy = torch.randn(M, N, device=dev, dtype=dtype)
+    dz = torch.randn(M, N, device=dev, dtype=dtype) if has_residual else None
+    ops = shardnorm.ops
+
+    def plain(x, w, b, r):
+        return ops.norm(x, w, b, r, 1e-6, rms, zero_centered)
+
+    def pending(x, w, b, r):
+        return ops.norm(_Pending.apply(x), w, b, _Pending.apply(r) if r is not None else None, 1e-6, rms,
+                        zero_centered)
+
+    host.enable(False)
+    python = _call(plain, x, weight, bias, residual, dy, dz)
+    host.enable(True)
+    before = host.stats()
+    runs = [_call(pending, x, weight, bias, residual, dy, dz) for _ in range(3)]
+    after = host.stats()
+    replayed = [after[k] - before[k] for k in ("replayed_forward", "replayed_backward")]
+    assert replayed == [2, 2], (replayed, host.refused)
+    for run in runs:
+        for got, want in zip(run, python):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
 @cuda

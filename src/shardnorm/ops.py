@@ -198,9 +198,13 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
     compiling = _is_compiling()
     plain = not compiling and type(x) in _PLAIN_OR_NONE and type(weight) in _PLAIN_OR_NONE and \
         type(bias) in _PLAIN_OR_NONE and type(residual) in _PLAIN_OR_NONE  # _all_plain's common case, inlined
-    if plain and x.is_cuda and _env_backend() is None:  # the C++ host path (host/), once built
+    # a collective's pending result (sequence parallel's norm input, a DTensor's local shard) is waited on here
+    pending = not plain and not compiling and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE and \
+        _all_plain(x, residual, pending_ok=True)
+    if (plain or pending) and x.is_cuda and _env_backend() is None:  # the C++ host path (host/), once built
         if host.norm is not None and not _transforms_active():
-            out = host.norm(x, weight, bias, residual, float(eps), rms, zero_centered)
+            out = host.norm(x, weight, bias, residual, float(eps), rms, zero_centered) if plain else \
+                host.norm(x, weight, bias, residual, float(eps), rms, zero_centered, _ready(x), _ready(residual))
             if out is not None:  # None: the call is the Python path's (forward-mode AD, wrapped tensors)
                 return out
         else:

@@ -300,13 +300,16 @@ std::vector<at::Tensor> forward_outputs(const Key* key, const at::Tensor& x, con
 enum Flag { kHasBias = 1, kHasResidual = 2, kRms = 4, kZeroCentered = 8 };
 
 struct NormFunction : public torch::autograd::Function<NormFunction> {
-  // key: the forward's signature (nullptr: not replayable, e.g. a tensor the key cannot describe)
+  // key: the forward's signature (nullptr: not replayable, e.g. a tensor the key cannot describe); x_data,
+  // residual_data: the tensors the kernels read where x / residual (the autograd edges) are wrappers without
+  // storage of their own, a collective's pending result (AsyncCollectiveTensor) waited on by the caller
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& weight,
                                const OptTensor& bias, const OptTensor& residual, double eps, bool rms,
-                               bool zero_centered, const Key* key) {
-    auto out = forward_outputs(key, x, weight, bias, residual, eps, rms, zero_centered);
+                               bool zero_centered, const Key* key, const at::Tensor& x_data,
+                               const OptTensor& residual_data) {
+    auto out = forward_outputs(key, x_data, weight, bias, residual_data, eps, rms, zero_centered);
     bool has_residual = residual.has_value();
-    ctx->save_for_backward({has_residual ? out[1] : x, weight.value_or(at::Tensor()), out[2], out[3]});
+    ctx->save_for_backward({has_residual ? out[1] : x_data, weight.value_or(at::Tensor()), out[2], out[3]});
     ctx->saved_data["key"] = key != nullptr ? c10::IValue(*key) : c10::IValue();
     ctx->saved_data["flags"] = static_cast<int64_t>((bias.has_value() ? kHasBias : 0) |
                                                     (has_residual ? kHasResidual : 0) | (rms ? kRms : 0) |
@@ -352,9 +355,10 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
           bool(flags & kZeroCentered));
       out = {tensor_of(result[0]).view(src.sizes()), tensor_of(result[1]), tensor_of(result[2])};
     }
-    // grads of (x, weight, bias, residual, eps, rms, zero_centered, key)
+    // grads of (x, weight, bias, residual, eps, rms, zero_centered, key, x_data, residual_data)
     return {out[0], saved[1].defined() ? out[1] : at::Tensor(), has_bias ? out[2] : at::Tensor(),
-            has_residual ? out[0] : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            has_residual ? out[0] : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -389,41 +393,53 @@ bool forward_key(Key& key, const at::Tensor& x, const OptTensor& weight, const O
 }
 
 // Inputs the Python path must take: forward-mode AD tangents (it raises for them; a replay would drop them), and
-// tensors without storage (functorch wrappers, which it unwraps).
+// tensors without storage of their own (functorch wrappers, which it unwraps; Python subclasses such as a
+// collective's pending result, whose data the caller hands over as x_data).
 bool python_only(std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors) {
-    if (t->defined() && (!t->has_storage() || t->layout() != at::kStrided || t->_fw_grad(/*level=*/0).defined())) {
+    if (t->defined() && (!t->has_storage() || t->layout() != at::kStrided || t->_fw_grad(/*level=*/0).defined() ||
+                         t->key_set().has(c10::DispatchKey::Python))) {
       return true;
     }
   }
   return false;
 }
 
-// The differentiable norm of x [..., N] (rows with unit column stride): (y, x + residual or undefined).
+// The differentiable norm of x [..., N] (rows with unit column stride): (y, x + residual or undefined). The
+// kernels read x_data / residual_data (x / residual themselves unless given; see NormFunction).
 std::pair<at::Tensor, at::Tensor> run_norm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                                           const OptTensor& residual, double eps, bool rms, bool zero_centered) {
+                                           const OptTensor& residual, double eps, bool rms, bool zero_centered,
+                                           const at::Tensor& x_data, const OptTensor& residual_data) {
   Key key;
-  bool keyed = forward_key(key, x, weight, bias, residual, eps, rms, zero_centered);
+  bool keyed = forward_key(key, x_data, weight, bias, residual_data, eps, rms, zero_centered);
   const Key* k = keyed ? &key : nullptr;
   bool needs_grad = at::GradMode::is_enabled() &&
                     (x.requires_grad() || (weight && weight->requires_grad()) || (bias && bias->requires_grad()) ||
                      (residual && residual->requires_grad()));
   if (!needs_grad) {  // no autograd node to build
-    auto out = forward_outputs(k, x, weight, bias, residual, eps, rms, zero_centered);
+    auto out = forward_outputs(k, x_data, weight, bias, residual_data, eps, rms, zero_centered);
     return {out[0], residual ? out[1] : at::Tensor()};
   }
-  variable_list out = NormFunction::apply(x, weight, bias, residual, eps, rms, zero_centered, k);
+  variable_list out = NormFunction::apply(x, weight, bias, residual, eps, rms, zero_centered, k, x_data,
+                                          residual_data);
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};
 }
 
-// ops.norm's entry: 2-D x [M, N] checked by the caller. -> (y, x + residual or None), or None for the Python path
+// ops.norm's entry: 2-D x [M, N] checked by the caller. -> (y, x + residual or None), or None for the Python path.
+// x_data / residual_data: what x / residual hold where they are wrappers (a collective's pending result, waited
+// on by the caller): same sizes and strides, read by the kernels; x / residual stay the autograd edges.
 py::object norm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
-                double eps, bool rms, bool zero_centered) {
+                double eps, bool rms, bool zero_centered, const OptTensor& x_data, const OptTensor& residual_data) {
   const at::Tensor none;
-  if (python_only({&x, weight ? &*weight : &none, bias ? &*bias : &none, residual ? &*residual : &none})) {
+  const at::Tensor& xd = x_data ? *x_data : x;
+  const OptTensor& rd = residual_data ? residual_data : residual;
+  if (residual.has_value() != rd.has_value() || xd.sizes() != x.sizes() ||
+      (residual && rd->sizes() != residual->sizes()) ||
+      python_only({&xd, weight ? &*weight : &none, bias ? &*bias : &none, rd ? &*rd : &none}) ||
+      (x_data && x._fw_grad(/*level=*/0).defined()) || (residual_data && residual->_fw_grad(/*level=*/0).defined())) {
     return py::none();
   }
-  auto [y, z] = run_norm(x, weight, bias, residual, eps, rms, zero_centered);
+  auto [y, z] = run_norm(x, weight, bias, residual, eps, rms, zero_centered, xd, rd);
   return py::make_tuple(y, none_if_undefined(z));
 }
 
@@ -506,7 +522,7 @@ py::object module_norm(py::handle x_obj, py::handle residual_obj, py::handle sha
   } else {
     return py::none();
   }
-  auto [y, z] = run_norm(*x, params[0], params[1], residual, eps, rms, zero_centered);
+  auto [y, z] = run_norm(*x, params[0], params[1], residual, eps, rms, zero_centered, *x, residual);
   return py::make_tuple(y, none_if_undefined(z));
 }
 
@@ -578,7 +594,9 @@ void set_capacity(size_t n) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("norm", &norm, "Differentiable norm of [M, N] x: (y, x + residual or None)");
+  m.def("norm", &norm, "Differentiable norm of [M, N] x: (y, x + residual or None)", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("residual"), py::arg("eps"), py::arg("rms"), py::arg("zero_centered"),
+        py::arg("x_data") = py::none(), py::arg("residual_data") = py::none());
   m.def("module_norm", &module_norm, "functional._norm where this path takes the call as it is, else None");
   m.def("add_spec", &add_spec, "Remember how a call signature's launches and allocations replay");
   m.def("set_callbacks", &set_callbacks, "The Python paths that run (and record) unknown signatures");
