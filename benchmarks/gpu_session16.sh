@@ -4,7 +4,7 @@
 #          (git apply; the commit after c13e6ff reverted it), at N = 65536 with and without held parameters
 #   sliced the sliced forward (staged_slices_fwd_kernel, every slice's parameters in shared memory) against the
 #          one-program one: correctness at small M (fewer rows than row groups, a partial last round), then N = 65536
-#   train2 (2 GPUs) the host path's GPU tests, then the main job, 30 steps of configs/llama_small_fsdp_tp.toml (TP/SP = 2, NCCL), with shardnorm
+#   train2 (2 GPUs) the host path's GPU tests, the 2-rank DTensor norm tests with it on, then the main job, 30 steps of configs/llama_small_fsdp_tp.toml (TP/SP = 2, NCCL), with shardnorm
 #          norms and the host path on (SHARDNORM_HOST_PATH=1: its summary.json counts the replayed calls), then
 #          with torch norms
 #   host   quack stage_a where .whl/quack_a is carried; host time per call with the providers interleaved round by
@@ -28,6 +28,8 @@ case "${1:-host}" in
         --param-chunks 3,sliced ;;
   train2)
     box host_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_host_path.py -rs -x
+    box distributed_host_on 150 env SHARDNORM_HOST_PATH=1 SHARDNORM_TEST_DEVICE=cuda python3 -m pytest -q \
+        -p no:cacheprovider tests/test_distributed_norms.py -rs -x
     for norm in shardnorm torch; do
       box "train_$norm" 240 env SHARDNORM_HOST_PATH=1 bash launch/train.sh configs/llama_small_fsdp_tp.toml \
           --norm $norm train.steps=30 "train.out_dir=\"$OUT/train_$norm\""

@@ -131,11 +131,11 @@ def _from_address(address: int, count: int) -> torch.Tensor:
 def fake(module, monkeypatch):
     kernel = FakeKernel(module)
     module.clear()
-    module.set_callbacks(kernel.record_forward, kernel.record_backward)
+    module.set_callbacks(kernel.record_forward, kernel.record_backward, host._ready)
     module.set_test_launcher(kernel.launch)
     yield kernel
     module.set_test_launcher(None)
-    module.set_callbacks(host._record_forward, host._record_backward)
+    module.set_callbacks(host._record_forward, host._record_backward, host._ready)
     module.clear()
 
 
@@ -225,6 +225,49 @@ def test_pending_collective_results_replay(fake, module, rms):
     assert rel_err(y, reference_norm(plain_x + r_source, weight, bias, None, eps, rms)) < 1e-6
     (y * dy).sum().backward()
     assert r_source.grad is not None and torch.equal(r_source.grad, plain_x.grad)
+
+
+class _PendingGrad(torch.autograd.Function):
+    """Identity whose backward hands out the grad as a collective's pending result (what reaches a norm's output
+    under sequence parallel, from the next layer's all-gather backward)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    elem = None  # the tensor behind the pending grad, if set (a test launcher finds tensors by address)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        return AsyncCollectiveTensor(grad.clone() if _PendingGrad.elem is None else _PendingGrad.elem.copy_(grad))
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_pending_grads_are_waited_on(fake, module, rms):
+    """A grad that is a collective's pending result has no memory the kernels may read: the C++ backward waits
+    on it (host._ready) and uses the tensor behind it, recorded and then replayed, as for a plain grad."""
+    torch.manual_seed(12)
+    M, N, eps = 6, 64, 1e-5
+    weight = torch.randn(N, requires_grad=True)
+    bias = None if rms else torch.randn(N, requires_grad=True)
+    fake.remember(weight, bias)
+    dy = torch.randn(M, N)
+    _PendingGrad.elem = torch.empty(M, N)
+    fake.remember(dy, _PendingGrad.elem)
+    for step in range(3):  # forward: records, replays; backward: records (with a plain dy), replays
+        x = torch.randn(M, N, requires_grad=True)
+        fake.remember(x)
+        y, _ = module.norm(x, weight, bias, None, eps, rms, False)
+        weight.grad = None
+        (_PendingGrad.apply(y) if step else y).backward(dy)
+        x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+        b64 = None if bias is None else bias.detach().double().requires_grad_()
+        reference_norm(x64, w64, b64, None, eps, rms).backward(dy.double())
+        assert rel_err(x.grad, x64.grad) < 1e-5 and rel_err(weight.grad, w64.grad) < 1e-5
+    _PendingGrad.elem = None
+    assert [r[0] for r in fake.recorded] == ["fwd", "bwd"] and fake.launches == 2 + 2
 
 
 def test_key_tells_signatures_apart(fake, module):
@@ -452,8 +495,8 @@ def test_replay_matches_python_path(host_on, case):
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["rms", "layer-residual"])
 def test_pending_inputs_replay_as_plain_ones(host_on, case):
     """ops.norm on a collective's pending results (sequence parallel's norm inputs: a DTensor's local shard
-    is an AsyncCollectiveTensor): replayed, bitwise the Python path's on plain tensors, grads through the
-    wrapper's autograd edge."""
+    is an AsyncCollectiveTensor; so are the grads that come back): replayed, bitwise the Python path's on plain
+    tensors, grads through the wrapper's autograd edge."""
     rms, has_bias, has_residual, zero_centered, dtype, wdtype, M, N = case
     torch.manual_seed(M + N)
     dev = "cuda"
@@ -468,9 +511,10 @@ def test_pending_inputs_replay_as_plain_ones(host_on, case):
     def plain(x, w, b, r):
         return ops.norm(x, w, b, r, 1e-6, rms, zero_centered)
 
-    def pending(x, w, b, r):
-        return ops.norm(_Pending.apply(x), w, b, _Pending.apply(r) if r is not None else None, 1e-6, rms,
+    def pending(x, w, b, r):  # pending inputs, and the grads that reach y and z pending too
+        y, z = ops.norm(_Pending.apply(x), w, b, _Pending.apply(r) if r is not None else None, 1e-6, rms,
                         zero_centered)
+        return _PendingGrad.apply(y), (_PendingGrad.apply(z) if z is not None else None)
 
     host.enable(False)
     python = _call(plain, x, weight, bias, residual, dy, dz)

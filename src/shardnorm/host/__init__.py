@@ -108,7 +108,7 @@ def load():
             if reason is not None:
                 raise RuntimeError(reason)
             module = build()
-            module.set_callbacks(_record_forward, _record_backward)
+            module.set_callbacks(_record_forward, _record_backward, _ready)
             _module = module
     return _module
 
@@ -140,6 +140,13 @@ def clear() -> None:
     refused.clear()
 
 
+def _ready(t):
+    """A grad that is a tensor subclass, as the kernels may read it (a collective's pending result waited on)."""
+    from ..ops import _ready as ready
+
+    return ready(t)
+
+
 def _record_forward(key, x, weight, bias, residual, eps, rms, zero_centered):
     from ..kernels import norm_fwd
 
@@ -150,10 +157,11 @@ def _record_forward(key, x, weight, bias, residual, eps, rms, zero_centered):
 
 
 def _record_backward(key, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
-    from ..ops import _norm_bwd_impl
+    from ..ops import _all_plain, _norm_bwd_impl, norm_bwd
 
-    def run():
-        return _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+    def run():  # grads that stay tensor subclasses (never keyed): the op, whose dispatch unwraps them
+        impl = _norm_bwd_impl if _all_plain(dy, dz) else norm_bwd
+        return impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
 
     return run() if key is None else _recorded(key, (dy, dz, src, weight, mean, rstd), run)
 

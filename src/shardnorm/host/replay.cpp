@@ -82,6 +82,7 @@ size_t capacity = 1024;  // signatures remembered; past it, unknown ones run the
 // Python callbacks (never destroyed: a py::object must not outlive the interpreter's shutdown)
 struct Callbacks {
   py::object record_forward, record_backward;  // the Python paths that run (and record) unknown signatures
+  py::object ready;  // a grad that is a Python subclass -> the tensor behind it (a collective's pending result)
   py::object test_launcher;                    // in place of cuLaunchKernel, for tests without a GPU
 };
 Callbacks& callbacks() {
@@ -297,6 +298,10 @@ std::vector<at::Tensor> forward_outputs(const Key* key, const at::Tensor& x, con
           tensor_of(out[3])};
 }
 
+bool is_python(const at::Tensor& t) {  // a Python tensor subclass (its own data is not what it holds)
+  return t.defined() && t.key_set().has(c10::DispatchKey::Python);
+}
+
 enum Flag { kHasBias = 1, kHasResidual = 2, kRms = 4, kZeroCentered = 8 };
 
 struct NormFunction : public torch::autograd::Function<NormFunction> {
@@ -323,13 +328,24 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     int64_t flags = ctx->saved_data["flags"].toInt();
     bool has_bias = flags & kHasBias, has_residual = flags & kHasResidual;
     at::Tensor dy = grads[0], dz = has_residual ? grads[1] : at::Tensor();
+    // Grads that are Python subclasses (under sequence parallel, a collective's pending result) have no memory
+    // the kernels may read: the tensor behind them, waited on; one that stays a subclass is the Python path's.
+    bool wrapped = is_python(dy) || is_python(dz);
+    if (wrapped) {
+      py::gil_scoped_acquire gil;
+      if (callbacks().ready) {
+        dy = tensor_of(callbacks().ready(none_if_undefined(dy)));
+        dz = tensor_of(callbacks().ready(none_if_undefined(dz)));
+      }
+      wrapped = is_python(dy) || is_python(dz);
+    }
     const c10::IValue& forward_key = ctx->saved_data["key"];
     const at::Tensor& src = saved[0];
     int64_t N = src.size(-1), M = src.numel() / N;
     std::shared_ptr<const Spec> spec;
     Key key;
     bool keyed = false;
-    if (forward_key.isIntList()) {
+    if (forward_key.isIntList() && !wrapped) {
       key = forward_key.toIntVector();
       // the saved tensors as they come back (a saved-tensor hook, e.g. offloading, may hand back a copy of
       // another layout), then the incoming grads
@@ -398,7 +414,7 @@ bool forward_key(Key& key, const at::Tensor& x, const OptTensor& weight, const O
 bool python_only(std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors) {
     if (t->defined() && (!t->has_storage() || t->layout() != at::kStrided || t->_fw_grad(/*level=*/0).defined() ||
-                         t->key_set().has(c10::DispatchKey::Python))) {
+                         is_python(*t))) {
       return true;
     }
   }
@@ -558,7 +574,8 @@ void add_spec(const Key& key, bool replayable, const std::vector<AllocArg>& allo
   if (specs.size() < capacity || specs.count(key)) specs[key] = std::move(spec);
 }
 
-void set_callbacks(py::object forward, py::object backward) {
+void set_callbacks(py::object forward, py::object backward, py::object ready) {
+  callbacks().ready = std::move(ready);
   callbacks().record_forward = std::move(forward);
   callbacks().record_backward = std::move(backward);
 }
@@ -599,7 +616,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x_data") = py::none(), py::arg("residual_data") = py::none());
   m.def("module_norm", &module_norm, "functional._norm where this path takes the call as it is, else None");
   m.def("add_spec", &add_spec, "Remember how a call signature's launches and allocations replay");
-  m.def("set_callbacks", &set_callbacks, "The Python paths that run (and record) unknown signatures");
+  m.def("set_callbacks", &set_callbacks, "The Python paths that run (and record) unknown signatures",
+        py::arg("forward"), py::arg("backward"), py::arg("ready") = py::none());
   m.def("set_test_launcher", &set_test_launcher, "A Python callable in place of cuLaunchKernel (None: the driver)");
   m.def("clear", &clear, "Forget every recorded signature");
   m.def("size", &size, "Recorded signatures");
