@@ -3,6 +3,7 @@
 #   box NAME SECONDS CMD...  CMD's output into $OUT/NAME.txt with its exit status, under a timeout, its last
 #                            lines echoed after a clock since the script started
 #   gpu_versions             the GPU, driver, torch and Triton
+#   gpu_done NAME            the time taken; with PACK=1, $OUT packed into $OUT/NAME.tgz
 set -u
 OUT=${OUT:?set OUT}; mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"; cd "$ROOT"
@@ -14,4 +15,9 @@ box() { local name=$1 secs=$2; shift 2; echo "== [$((SECONDS - t0)) s] $name"
 gpu_versions() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+}
+gpu_done() {  # the script's time, then (PACK=1) $OUT packed into one archive: at most 8 files come back from a call
+  echo "== [$((SECONDS - t0)) s] done"
+  [ -n "${PACK:-}" ] || return 0
+  tar -C "$OUT" -czf "/tmp/$1.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/"
 }

@@ -45,6 +45,4 @@ case "${1:-host}" in
     box longrow_peers 560 python3 benchmarks/bench_kernels.py --shapes longrow --weights bfloat16 \
         --out "$OUT/longrow_peers.json" ;;
 esac
-echo "== [$((SECONDS - t0)) s] done"
-# at most 8 files come back from a call: one archive (PACK=1)
-[ -n "${PACK:-}" ] && tar -C "$OUT" -czf /tmp/session16.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/session16.tgz "$OUT/"
+gpu_done session16
