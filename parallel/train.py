@@ -146,8 +146,8 @@ def main() -> None:
         "world_size": world_size, "dp": dp, "tp": tp, "compile": cfg.train.compile,
         "dtype": cfg.train.dtype, "device": str(runtime.device),
         "memory_kind": runtime.memory_kind, **collectives})
-    if runtime.device.type == "cuda":  # rank 0's eager norm calls: replayed from C++ or run by the Python path
-        summary["host_path"] = host.status()
+    if runtime.device.type == "cuda" and (cfg.train.norm != "torch" or cfg.parallel.engine == "deepspeed"):
+        summary["host_path"] = host.status()  # rank 0's eager norm calls: replayed from C++, or the Python path's
     reference = None
     if cfg.train.check:
         reference = reference_losses(cfg, runtime.device, dp)
