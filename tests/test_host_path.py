@@ -131,11 +131,11 @@ def _from_address(address: int, count: int) -> torch.Tensor:
 def fake(module, monkeypatch):
     kernel = FakeKernel(module)
     module.clear()
-    module.set_callbacks(kernel.record_forward, kernel.record_backward, host._ready)
+    module.set_callbacks(kernel.record_forward, kernel.record_backward, shardnorm.ops._ready)
     module.set_test_launcher(kernel.launch)
     yield kernel
     module.set_test_launcher(None)
-    module.set_callbacks(host._record_forward, host._record_backward, host._ready)
+    module.set_callbacks(host._record_forward, host._record_backward, shardnorm.ops._ready)
     module.clear()
 
 
@@ -245,16 +245,17 @@ class _PendingGrad(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("rms", [True, False])
-def test_pending_grads_are_waited_on(fake, module, rms):
+def test_pending_grads_are_waited_on(fake, module, rms, monkeypatch):
     """A grad that is a collective's pending result has no memory the kernels may read: the C++ backward waits
-    on it (host._ready) and uses the tensor behind it, recorded and then replayed, as for a plain grad."""
+    on it (ops._ready, the `ready` callback) and uses the tensor behind it, recorded and then replayed, as for a
+    plain grad; without that callback such a grad is the Python path's, unkeyed."""
     torch.manual_seed(12)
     M, N, eps = 6, 64, 1e-5
     weight = torch.randn(N, requires_grad=True)
     bias = None if rms else torch.randn(N, requires_grad=True)
     fake.remember(weight, bias)
     dy = torch.randn(M, N)
-    _PendingGrad.elem = torch.empty(M, N)
+    monkeypatch.setattr(_PendingGrad, "elem", torch.empty(M, N))
     fake.remember(dy, _PendingGrad.elem)
     for step in range(3):  # forward: records, replays; backward: records (with a plain dy), replays
         x = torch.randn(M, N, requires_grad=True)
@@ -266,8 +267,18 @@ def test_pending_grads_are_waited_on(fake, module, rms):
         b64 = None if bias is None else bias.detach().double().requires_grad_()
         reference_norm(x64, w64, b64, None, eps, rms).backward(dy.double())
         assert rel_err(x.grad, x64.grad) < 1e-5 and rel_err(weight.grad, w64.grad) < 1e-5
-    _PendingGrad.elem = None
     assert [r[0] for r in fake.recorded] == ["fwd", "bwd"] and fake.launches == 2 + 2
+    module.set_callbacks(fake.record_forward, fake.record_backward)  # no `ready`
+    weight.grad = None
+    x = torch.randn(M, N, requires_grad=True)
+    fake.remember(x)
+    y, _ = module.norm(x, weight, bias, None, eps, rms, False)
+    _PendingGrad.apply(y).backward(dy)
+    assert fake.recorded[-1] == ("bwd", None) and fake.launches == 5  # the forward replayed, the backward Python's
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    b64 = None if bias is None else bias.detach().double().requires_grad_()
+    reference_norm(x64, w64, b64, None, eps, rms).backward(dy.double())
+    assert rel_err(x.grad, x64.grad) < 1e-5 and rel_err(weight.grad, w64.grad) < 1e-5
 
 
 def test_key_tells_signatures_apart(fake, module):

@@ -108,6 +108,8 @@ def load():
             if reason is not None:
                 raise RuntimeError(reason)
             module = build()
+            from ..ops import _ready  # a grad that is a collective's pending result, waited on
+
             module.set_callbacks(_record_forward, _record_backward, _ready)
             _module = module
     return _module
@@ -138,13 +140,6 @@ def clear() -> None:
         _module.clear()
     _failed_tries.clear()
     refused.clear()
-
-
-def _ready(t):
-    """A grad that is a tensor subclass, as the kernels may read it (a collective's pending result waited on)."""
-    from ..ops import _ready as ready
-
-    return ready(t)
 
 
 def _record_forward(key, x, weight, bias, residual, eps, rms, zero_centered):

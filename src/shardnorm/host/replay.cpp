@@ -306,15 +306,16 @@ enum Flag { kHasBias = 1, kHasResidual = 2, kRms = 4, kZeroCentered = 8 };
 
 struct NormFunction : public torch::autograd::Function<NormFunction> {
   // key: the forward's signature (nullptr: not replayable, e.g. a tensor the key cannot describe); x_data,
-  // residual_data: the tensors the kernels read where x / residual (the autograd edges) are wrappers without
-  // storage of their own, a collective's pending result (AsyncCollectiveTensor) waited on by the caller
+  // residual_data: the tensors the kernels read where x / residual (the autograd edges) are wrappers, a
+  // collective's pending result (AsyncCollectiveTensor) waited on by the caller. Pointers, so that the node has
+  // no edges to them (a tensor argument would be one more input).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& weight,
                                const OptTensor& bias, const OptTensor& residual, double eps, bool rms,
-                               bool zero_centered, const Key* key, const at::Tensor& x_data,
-                               const OptTensor& residual_data) {
-    auto out = forward_outputs(key, x_data, weight, bias, residual_data, eps, rms, zero_centered);
+                               bool zero_centered, const Key* key, const at::Tensor* x_data,
+                               const OptTensor* residual_data) {
+    auto out = forward_outputs(key, *x_data, weight, bias, *residual_data, eps, rms, zero_centered);
     bool has_residual = residual.has_value();
-    ctx->save_for_backward({has_residual ? out[1] : x_data, weight.value_or(at::Tensor()), out[2], out[3]});
+    ctx->save_for_backward({has_residual ? out[1] : *x_data, weight.value_or(at::Tensor()), out[2], out[3]});
     ctx->saved_data["key"] = key != nullptr ? c10::IValue(*key) : c10::IValue();
     ctx->saved_data["flags"] = static_cast<int64_t>((bias.has_value() ? kHasBias : 0) |
                                                     (has_residual ? kHasResidual : 0) | (rms ? kRms : 0) |
@@ -436,21 +437,25 @@ std::pair<at::Tensor, at::Tensor> run_norm(const at::Tensor& x, const OptTensor&
     auto out = forward_outputs(k, x_data, weight, bias, residual_data, eps, rms, zero_centered);
     return {out[0], residual ? out[1] : at::Tensor()};
   }
-  variable_list out = NormFunction::apply(x, weight, bias, residual, eps, rms, zero_centered, k, x_data,
-                                          residual_data);
+  variable_list out = NormFunction::apply(x, weight, bias, residual, eps, rms, zero_centered, k, &x_data,
+                                          &residual_data);
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};
 }
 
 // ops.norm's entry: 2-D x [M, N] checked by the caller. -> (y, x + residual or None), or None for the Python path.
 // x_data / residual_data: what x / residual hold where they are wrappers (a collective's pending result, waited
-// on by the caller): same sizes and strides, read by the kernels; x / residual stay the autograd edges.
+// on by the caller): same sizes, strides, dtype and device, read by the kernels; x / residual stay the autograd
+// edges.
 py::object norm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
                 double eps, bool rms, bool zero_centered, const OptTensor& x_data, const OptTensor& residual_data) {
   const at::Tensor none;
   const at::Tensor& xd = x_data ? *x_data : x;
   const OptTensor& rd = residual_data ? residual_data : residual;
-  if (residual.has_value() != rd.has_value() || xd.sizes() != x.sizes() ||
-      (residual && rd->sizes() != residual->sizes()) ||
+  auto same = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.sizes() == b.sizes() && a.strides() == b.strides() && a.scalar_type() == b.scalar_type() &&
+           a.device() == b.device();
+  };
+  if (residual.has_value() != rd.has_value() || !same(xd, x) || (residual && !same(*rd, *residual)) ||
       python_only({&xd, weight ? &*weight : &none, bias ? &*bias : &none, rd ? &*rd : &none}) ||
       (x_data && x._fw_grad(/*level=*/0).defined()) || (residual_data && residual->_fw_grad(/*level=*/0).defined())) {
     return py::none();
@@ -575,7 +580,7 @@ void add_spec(const Key& key, bool replayable, const std::vector<AllocArg>& allo
 }
 
 void set_callbacks(py::object forward, py::object backward, py::object ready) {
-  callbacks().ready = std::move(ready);
+  callbacks().ready = ready.is_none() ? py::object() : std::move(ready);
   callbacks().record_forward = std::move(forward);
   callbacks().record_backward = std::move(backward);
 }
