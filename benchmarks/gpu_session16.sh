@@ -2,11 +2,12 @@
 # Session 16's GPU runs. Usage: OUT=dir [PACK=1] bash benchmarks/gpu_session16.sh STAGE
 #   hints  (run 4) the staged forward's L2 cache hints, results/h100-2026-11-25-s16/run4/cache_hints.diff applied
 #          (git apply; the commit after c13e6ff reverted it), at N = 65536 with and without held parameters
-#   sliced the sliced forward (staged_slices_fwd_kernel, every slice's parameters in shared memory) against the
-#          one-program one: correctness at small M (fewer rows than row groups, a partial last round), then N = 65536
-#   train2 (2 GPUs) the host path's GPU tests, the 2-rank DTensor norm tests with it on, then the main job, 30 steps of configs/llama_small_fsdp_tp.toml (TP/SP = 2, NCCL), with shardnorm
-#          norms and the host path on (SHARDNORM_HOST_PATH=1: its summary.json counts the replayed calls), then
-#          with torch norms
+#   sliced (run 7) the sliced forward (staged_slices_fwd_kernel, every slice's parameters in shared memory),
+#          results/h100-2026-11-25-s16/run7/sliced_fwd.diff applied (reverted after it), against the one-program
+#          one: correctness at small M (fewer rows than row groups, a partial last round), then N = 65536
+#   train2 (2 GPUs) the host path's GPU tests, the 2-rank DTensor norm tests with it on, then the main job, 30
+#          steps of configs/llama_small_fsdp_tp.toml (TP/SP = 2, NCCL), with shardnorm norms and the host path on
+#          (SHARDNORM_HOST_PATH=1: its summary.json counts the replayed calls), then with torch norms
 #   host   quack stage_a where .whl/quack_a is carried; host time per call with the providers interleaved round by
 #          round (carry the Liger wheel)
 #   peers  quack install (call 2 of 2, right after `host` on the same machine; carry .whl/quack_b and the Liger
@@ -20,6 +21,7 @@ case "${1:-host}" in
     box fwd_hints 300 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/fwd_hints.json" --warps 32 \
         --param-chunks 0,3 --hints ${HINTS:-0,1,2,4,5,6} ;;
   sliced)
+    git apply "${PATCH:-benchmarks/results/h100-2026-11-25-s16/run7/sliced_fwd.diff}" || exit 1
     box sliced_small 90 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/sliced_small.json" --m 1000 \
         --warps 16,32 --param-chunks sliced
     box sliced_tiny 60 python3 benchmarks/longrow_fwd_variants.py --out "$OUT/sliced_tiny.json" --m 20 \

@@ -467,9 +467,18 @@ CASES = [  # (rms, bias, residual, zero_centered, x dtype, weight dtype, M, N)
 ]
 
 
+# every case with plain tensors; two with x / residual as a collective's pending results, and the grads that come
+# back pending too (sequence parallel: a DTensor's local shard is an AsyncCollectiveTensor)
+REPLAY_CASES = [(case, False) for case in CASES] + [(CASES[0], True), (CASES[3], True)]
+
+
 @cuda
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
-def test_replay_matches_python_path(host_on, case):
+@pytest.mark.parametrize("case, pending", REPLAY_CASES,
+                         ids=lambda c: "pending" if c is True else "plain" if c is False else
+                         "-".join(map(str, c)).replace("torch.", ""))
+def test_replay_matches_python_path(host_on, case, pending):
+    """Recorded, then replayed (forward and backward): bitwise the Python path's outputs and grads on plain
+    tensors, and against float64. Pending inputs: grads go through the wrappers' autograd edges."""
     rms, has_bias, has_residual, zero_centered, dtype, wdtype, M, N = case
     torch.manual_seed(M + N)
     dev = "cuda"
@@ -485,12 +494,16 @@ def test_replay_matches_python_path(host_on, case):
     def fn(x, w, b, r):
         return ops.norm(x, w, b, r, eps, rms, zero_centered)
 
+    def fn_pending(x, w, b, r):
+        y, z = fn(_Pending.apply(x), w, b, _Pending.apply(r) if r is not None else None)
+        return _PendingGrad.apply(y), (_PendingGrad.apply(z) if z is not None else None)
+
     host.enable(False)
     python = _call(fn, x, weight, bias, residual, dy, dz)
     host.enable(True)
     before = host.stats()
-    runs = [_call(fn, x, weight, bias, residual, dy, dz) for _ in range(3)]  # records, then replays
-    after = host.stats()
+    runs = [_call(fn_pending if pending else fn, x, weight, bias, residual, dy, dz) for _ in range(3)]  # records,
+    after = host.stats()  # then replays
     replayed = [after[k] - before[k] for k in ("replayed_forward", "replayed_backward")]
     assert replayed == ([2, 0] if N == 32768 else [2, 2]), (replayed, host.refused)  # long rows: staged backward
     for run in runs:
@@ -500,46 +513,6 @@ def test_replay_matches_python_path(host_on, case):
                 assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     expected = reference_norm(x, weight, bias, residual, eps, rms, zero_centered)
     assert rel_err(runs[-1][0], expected) < (1e-5 if dtype == torch.float32 else 1e-2)
-
-
-@cuda
-@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["rms", "layer-residual"])
-def test_pending_inputs_replay_as_plain_ones(host_on, case):
-    """ops.norm on a collective's pending results (sequence parallel's norm inputs: a DTensor's local shard
-    is an AsyncCollectiveTensor; so are the grads that come back): replayed, bitwise the Python path's on plain
-    tensors, grads through the wrapper's autograd edge."""
-    rms, has_bias, has_residual, zero_centered, dtype, wdtype, M, N = case
-    torch.manual_seed(M + N)
-    dev = "cuda"
-    x = torch.randn(M, N, device=dev, dtype=dtype)
-    weight = torch.randn(N, device=dev, dtype=wdtype)
-    bias = torch.randn(N, device=dev, dtype=wdtype) if has_bias else None
-    residual = torch.randn(M, N, device=dev, dtype=dtype) if has_residual else None
-    dy = torch.randn(M, N, device=dev, dtype=dtype)
-    dz = torch.randn(M, N, device=dev, dtype=dtype) if has_residual else None
-    ops = shardnorm.ops
-
-    def plain(x, w, b, r):
-        return ops.norm(x, w, b, r, 1e-6, rms, zero_centered)
-
-    def pending(x, w, b, r):  # pending inputs, and the grads that reach y and z pending too
-        y, z = ops.norm(_Pending.apply(x), w, b, _Pending.apply(r) if r is not None else None, 1e-6, rms,
-                        zero_centered)
-        return _PendingGrad.apply(y), (_PendingGrad.apply(z) if z is not None else None)
-
-    host.enable(False)
-    python = _call(plain, x, weight, bias, residual, dy, dz)
-    host.enable(True)
-    before = host.stats()
-    runs = [_call(pending, x, weight, bias, residual, dy, dz) for _ in range(3)]
-    after = host.stats()
-    replayed = [after[k] - before[k] for k in ("replayed_forward", "replayed_backward")]
-    assert replayed == [2, 2], (replayed, host.refused)
-    for run in runs:
-        for got, want in zip(run, python):
-            assert (got is None) == (want is None)
-            if got is not None:
-                assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
 @cuda

@@ -128,6 +128,12 @@ def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered
     return src.new_empty(src.shape), grad(weight is not None), grad(has_bias)
 
 
+def _norm_bwd_any(dy, dz, *args):
+    """`_norm_bwd_impl` for plain grads; for grads that stay tensor subclasses once pending ones are waited on, the
+    op, whose dispatch unwraps them."""
+    return (_norm_bwd_impl if _all_plain(dy, dz) else norm_bwd)(dy, dz, *args)
+
+
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, eps, rms, zero_centered = inputs
     _, z, mean, rstd = output
@@ -185,8 +191,7 @@ class _EagerNorm(torch.autograd.Function):
     def backward(ctx, dy, dz=None):
         if type(dy) in _PLAIN and (dz is None or type(dz) in _PLAIN):
             return _input_grads(ctx, dy, dz, _norm_bwd_impl)
-        dy, dz = _ready(dy), _ready(dz)
-        return _input_grads(ctx, dy, dz, _norm_bwd_impl if _all_plain(dy, dz) else norm_bwd)
+        return _input_grads(ctx, _ready(dy), _ready(dz), _norm_bwd_any)
 
 
 _apply = _torch_compat.fast_apply(_EagerNorm, tensors=4)
@@ -198,18 +203,18 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
     compiling = _is_compiling()
     plain = not compiling and type(x) in _PLAIN_OR_NONE and type(weight) in _PLAIN_OR_NONE and \
         type(bias) in _PLAIN_OR_NONE and type(residual) in _PLAIN_OR_NONE  # _all_plain's common case, inlined
-    # a collective's pending result (sequence parallel's norm input, a DTensor's local shard) is waited on here
-    pending = not plain and not compiling and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE and \
-        _all_plain(x, residual, pending_ok=True)
-    if (plain or pending) and x.is_cuda and _env_backend() is None:  # the C++ host path (host/), once built
+    eager = plain or not compiling and _all_plain(x, weight, bias, residual, pending_ok=True)
+    if eager and x.is_cuda and _env_backend() is None:  # the C++ host path (host/), once built
         if host.norm is not None and not _transforms_active():
+            # a collective's pending result (sequence parallel's norm input) is waited on, the kernels read the
+            # tensor behind it (the entry leaves pending parameters to this path)
             out = host.norm(x, weight, bias, residual, float(eps), rms, zero_centered) if plain else \
                 host.norm(x, weight, bias, residual, float(eps), rms, zero_centered, _ready(x), _ready(residual))
             if out is not None:  # None: the call is the Python path's (forward-mode AD, wrapped tensors)
                 return out
         else:
             host.start()
-    if plain or not compiling and _all_plain(x, weight, bias, residual, pending_ok=True):
+    if eager:
         if not _grad_enabled():  # inference: no autograd node to build (the Function's apply, ~5-10 us)
             x, residual = _ready(x), _ready(residual)
             y, z, _, _ = _backend(x).norm_fwd(x, weight, bias, residual, float(eps), rms, zero_centered)

@@ -152,11 +152,10 @@ def _record_forward(key, x, weight, bias, residual, eps, rms, zero_centered):
 
 
 def _record_backward(key, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
-    from ..ops import _all_plain, _norm_bwd_impl, norm_bwd
+    from ..ops import _norm_bwd_any
 
-    def run():  # grads that stay tensor subclasses (never keyed): the op, whose dispatch unwraps them
-        impl = _norm_bwd_impl if _all_plain(dy, dz) else norm_bwd
-        return impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+    def run():  # grads that stay tensor subclasses are never keyed
+        return _norm_bwd_any(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
 
     return run() if key is None else _recorded(key, (dy, dz, src, weight, mean, rstd), run)
 

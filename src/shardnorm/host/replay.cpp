@@ -442,22 +442,24 @@ std::pair<at::Tensor, at::Tensor> run_norm(const at::Tensor& x, const OptTensor&
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};
 }
 
+// Whether `data` (where given) may stand in for the wrapper `t` it holds: the same sizes, strides, dtype and device,
+// and no forward-mode tangent on the wrapper (the Python path raises for one; a replay would drop it).
+bool stands_in(const OptTensor& data, const at::Tensor* t) {
+  return !data || (t != nullptr && data->sizes() == t->sizes() && data->strides() == t->strides() &&
+                   data->scalar_type() == t->scalar_type() && data->device() == t->device() &&
+                   !t->_fw_grad(/*level=*/0).defined());
+}
+
 // ops.norm's entry: 2-D x [M, N] checked by the caller. -> (y, x + residual or None), or None for the Python path.
 // x_data / residual_data: what x / residual hold where they are wrappers (a collective's pending result, waited
-// on by the caller): same sizes, strides, dtype and device, read by the kernels; x / residual stay the autograd
-// edges.
+// on by the caller), read by the kernels; x / residual stay the autograd edges.
 py::object norm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
                 double eps, bool rms, bool zero_centered, const OptTensor& x_data, const OptTensor& residual_data) {
   const at::Tensor none;
   const at::Tensor& xd = x_data ? *x_data : x;
   const OptTensor& rd = residual_data ? residual_data : residual;
-  auto same = [](const at::Tensor& a, const at::Tensor& b) {
-    return a.sizes() == b.sizes() && a.strides() == b.strides() && a.scalar_type() == b.scalar_type() &&
-           a.device() == b.device();
-  };
-  if (residual.has_value() != rd.has_value() || !same(xd, x) || (residual && !same(*rd, *residual)) ||
-      python_only({&xd, weight ? &*weight : &none, bias ? &*bias : &none, rd ? &*rd : &none}) ||
-      (x_data && x._fw_grad(/*level=*/0).defined()) || (residual_data && residual->_fw_grad(/*level=*/0).defined())) {
+  if (!stands_in(x_data, &x) || !stands_in(residual_data, residual ? &*residual : nullptr) ||
+      python_only({&xd, weight ? &*weight : &none, bias ? &*bias : &none, rd ? &*rd : &none})) {
     return py::none();
   }
   auto [y, z] = run_norm(x, weight, bias, residual, eps, rms, zero_centered, xd, rd);
