@@ -1,0 +1,60 @@
+"""Every `SHARDNORM_*` environment variable, read once and validated in one place.
+
+| variable | values | default | effect |
+|---|---|---|---|
+| `SHARDNORM_BACKEND` | `triton`, `torch` | by device | `triton` runs the kernels (CPU tensors need `TRITON_INTERPRET=1`), `torch` the pure-torch reference math; unset: CUDA tensors take Triton, others torch |
+| `SHARDNORM_COMPILE_FUSION` | `1`, `0` | `1` | `0`: `torch.compile` leaves residual adds and grad sums around the norm to Inductor |
+
+A bad value raises a `ValueError` naming the variable, at the first call that reads it. The values are read
+once per process; code that changes the environment afterwards (tests) calls `reload()`.
+"""
+
+import dataclasses
+import os
+from typing import Optional
+
+_BOOL = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    backend: Optional[str] = None  # None: by the tensor's device
+    compile_fusion: bool = True
+
+
+def _choice(name: str, allowed: tuple, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    value = value.strip().lower()
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {os.environ[name]!r}")
+    return value
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = _choice(name, tuple(_BOOL), None)
+    return default if value is None else _BOOL[value]
+
+
+def _read() -> Settings:
+    return Settings(backend=_choice("SHARDNORM_BACKEND", ("triton", "torch"), None),
+                    compile_fusion=_flag("SHARDNORM_COMPILE_FUSION", True))
+
+
+_current: Optional[Settings] = None
+
+
+def get() -> Settings:
+    """The settings in force (the environment as first read)."""
+    global _current
+    if _current is None:
+        _current = _read()
+    return _current
+
+
+def reload() -> Settings:
+    """Read the environment again (after changing a `SHARDNORM_*` variable in this process)."""
+    global _current
+    _current = None
+    return get()
