@@ -28,6 +28,16 @@ def _scale(weight, zero_centered: bool):
     return w + 1.0 if zero_centered else w
 
 
+def statistics(src, eps: float, rms: bool):
+    """(mean, rstd) of each row in fp32; mean is empty for RMSNorm. Differentiable: the backward's create_graph
+    path recomputes them from the saved input."""
+    xf = src.float()
+    if rms:
+        return xf.new_empty(0), torch.rsqrt(xf.square().mean(-1) + eps)
+    mean = xf.mean(-1)
+    return mean, torch.rsqrt((xf - mean[:, None]).square().mean(-1) + eps)
+
+
 def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool, *, y=None):
     """`y`: as in `kernels.norm_fwd`, written into instead of allocated."""
     check_out(x, y)
@@ -37,14 +47,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
         src = z
     else:
         z, src = x.new_empty(0), x
-    xf = src.float()
-    if rms:
-        mean = xf.new_empty(0)
-        var = xf.square().mean(-1)
-    else:
-        mean = xf.mean(-1)
-        var = (xf - mean[:, None]).square().mean(-1)
-    rstd = torch.rsqrt(var + eps)
+    mean, rstd = statistics(src, eps, rms)
     y = _xhat(src, mean, rstd, rms)
     if weight is not None:
         y = y * _scale(weight, zero_centered)
