@@ -1,4 +1,4 @@
-"""Host (CPU) time per norm call at small shapes, where the GPU work is negligible (issue 22).
+"""Host (CPU) time per norm call at small shapes, where the GPU work is negligible.
 
     python benchmarks/host_time.py --out OUT_DIR            # CUDA: the full table
     python benchmarks/host_time.py --cpu-stub               # no GPU: shardnorm's Python only

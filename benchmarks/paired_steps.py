@@ -5,7 +5,7 @@ base ran side by side and their difference cancels the GPU's drift over a round.
 the median of the paired differences, its 95% bootstrap interval (scipy.stats.bootstrap, fixed seed) and the
 median difference as a share of the base's median step. The interval covers step-to-step noise within one
 run only: each run compiles its variants afresh, so compiled variants can differ by more between runs than
-the interval says; read several runs (benchmarks/NOTES.md v16).
+the interval says; read several runs (docs/performance.md).
 
     python benchmarks/paired_steps.py RUN1/hf_models.json [RUN2/hf_models.json ...] [--base native] [--md OUT.md]
 """

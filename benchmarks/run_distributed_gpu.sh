@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The distributed checks and benchmarks on one host with 2 or 4 GPUs (NCCL), as recorded in
-# benchmarks/gpu-runs.md. Run from the repo root; wheels for packages the host lacks (deepspeed)
+# The distributed checks and benchmarks on one host with 2 or 4 GPUs (NCCL): the distributed, FSDP and
+# DeepSpeed tests, the norm-grad collective benchmark and the main job. Run from the repo root; wheels for packages the host lacks (deepspeed)
 # go in .whl/. Everything lands in $WORK and is packed into $OUT/distributed_gpu_MODE_WORKNAME.tgz.
 #   OUT=dir bash benchmarks/run_distributed_gpu.sh tests|deepspeed|bench|train
 # train: RUNS="--norm torch|..." picks runs, PROFILE_STEP=N profiles step N (0: none); all visible GPUs.

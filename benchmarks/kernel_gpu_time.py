@@ -8,7 +8,7 @@ Same byte counts and copy ceiling as bench_kernels.py (forward: read x, write y;
 and dy, write dx; do_bench of a device-to-device copy). Outputs are not checked here: the kernel
 tests and bench_kernels.py do that.
 
-    python benchmarks/gpu_time.py --out gpu_time.json [--weights bfloat16,float32]
+    python benchmarks/kernel_gpu_time.py --out kernel_gpu_time.json [--weights bfloat16,float32]
 """
 
 import argparse
