@@ -31,13 +31,10 @@ def format_step(record: dict) -> str:
 
 
 def format_summary(s: dict) -> str:
-    host = s.get("host_path")
     return (f"summary: norm={s['norm']} engine={s['engine']} dp={s['dp']} tp={s['tp']} "
             f"compile={s['compile']} dtype={s['dtype']} | {s['tokens_per_s']:,.0f} tokens/s  "
             f"step {s['step_time_s'] * 1e3:.1f} ms  peak {s['peak_mem_gib']:.2f} GiB "
-            f"({s['memory_kind']})  final loss {s['final_loss']:.4f}"
-            + (f"  | host path {host['state']}: {host.get('replayed_forward', 0)} forward / "
-               f"{host.get('replayed_backward', 0)} backward norm calls replayed" if host else ""))
+            f"({s['memory_kind']})  final loss {s['final_loss']:.4f}")
 
 
 class MetricsLogger:

@@ -27,7 +27,6 @@ from parallel.metrics import MetricsLogger, logger, setup_logging
 from parallel.model import build_model
 from parallel.parallelize import parallelize, uses_norm_reducer
 from parallel.runtime import CollectivePhase, Runtime, init_runtime, shutdown
-from shardnorm import host
 
 
 def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
@@ -146,8 +145,6 @@ def main() -> None:
         "world_size": world_size, "dp": dp, "tp": tp, "compile": cfg.train.compile,
         "dtype": cfg.train.dtype, "device": str(runtime.device),
         "memory_kind": runtime.memory_kind, **collectives})
-    if runtime.device.type == "cuda" and (cfg.train.norm != "torch" or cfg.parallel.engine == "deepspeed"):
-        summary["host_path"] = host.status()  # rank 0's eager norm calls: replayed from C++, or the Python path's
     reference = None
     if cfg.train.check:
         reference = reference_losses(cfg, runtime.device, dp)

@@ -11,9 +11,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# The C++ host path replays recorded plans, which tests that change kernel configs between calls would not
-# see: the suite runs the Python path, and test_host_path.py checks the replay against it.
-os.environ.setdefault("SHARDNORM_HOST_PATH", "0")
 
 BACKENDS = ("triton", "torch")
 
@@ -25,8 +22,13 @@ def backend_device(backend: str) -> torch.device:
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
+    from shardnorm import settings
+
     monkeypatch.setenv("SHARDNORM_BACKEND", request.param)
-    return request.param
+    settings.reload()
+    yield request.param
+    monkeypatch.undo()
+    settings.reload()
 
 
 @pytest.fixture

@@ -59,7 +59,14 @@ def test_bad_eps(eps):
         shardnorm.rms_norm(torch.randn(2, 8), 8, eps=eps)
 
 
-def test_unknown_backend(monkeypatch):
-    monkeypatch.setenv("SHARDNORM_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="SHARDNORM_BACKEND"):
-        shardnorm.rms_norm(torch.randn(2, 8), 8)
+@pytest.mark.parametrize("name, value", [("SHARDNORM_BACKEND", "cuda"), ("SHARDNORM_COMPILE_FUSION", "maybe")])
+def test_bad_setting_names_the_variable(monkeypatch, name, value):
+    from shardnorm import settings
+
+    monkeypatch.setenv(name, value)
+    try:
+        with pytest.raises(ValueError, match=f"{name} must be one of .*got '{value}'"):
+            settings.reload()
+    finally:
+        monkeypatch.undo()
+        settings.reload()

@@ -64,8 +64,7 @@ def test_module_residual_forward(backend, device):
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("cls", [shardnorm.LayerNorm, shardnorm.RMSNorm])
 def test_forward_without_grad(backend, device, cls, mode):
-    """Without grad mode the forward skips the autograd Function (host time): same values as float64,
-    no graph, and the residual path's sum too."""
+    """Without grad mode: same values as float64, no graph, and the residual path's sum too."""
     m = cls(48, device=device)
     with torch.no_grad():
         for p in m.parameters():

@@ -121,34 +121,6 @@ def test_fsdp2_state_internals():
     spawn(_fsdp2_state, 1)
 
 
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, factor):
-        ctx.save_for_backward(w)
-        ctx.factor = factor
-        return x * w * factor
-
-    @staticmethod
-    def backward(ctx, g):
-        (w,) = ctx.saved_tensors
-        return g * w * ctx.factor, None, None
-
-
-def test_fast_apply_is_function_apply():
-    """The C apply behind `Function.apply`: same output and grads, a grad_fn of the Function's class; inside
-    a functorch transform it is `Function.apply` (which refuses a Function without setup_context)."""
-    apply = compat.fast_apply(_Scale, tensors=2)
-    x, w = torch.randn(6, requires_grad=True), torch.randn(6)
-    y = apply(x, w, 3.0)
-    assert type(y.grad_fn).__name__ == "_ScaleBackward", _gone(f"torch._C._FunctionBase.apply ({y.grad_fn})")
-    (gx,) = torch.autograd.grad(y.sum(), x)
-    assert torch.allclose(y, x * w * 3) and torch.allclose(gx, w * 3), _gone("torch._C._FunctionBase.apply")
-    with pytest.raises(RuntimeError, match="setup_context"):
-        torch.func.grad(lambda t: apply(t, w, 3.0).sum())(x.detach())
-    with pytest.raises(TypeError, match="setup_context"):
-        compat.fast_apply(type("WithSetup", (_Scale,), {"setup_context": staticmethod(lambda *a: None)}), 2)
-
-
 @pytest.mark.parametrize("slot", ["pre_grad_custom_pass", "post_grad_custom_post_pass"])
 def test_inductor_graph_pass_runs_after_an_existing_one(slot):
     """Inductor's custom pass slots still exist and take a CustomGraphPass; a user's pass set before
@@ -173,21 +145,3 @@ def test_inductor_graph_pass_runs_after_an_existing_one(slot):
 def test_inductor_graph_pass_slot_is_checked():
     with pytest.raises(ValueError, match="slot must be one of"):
         compat.add_inductor_graph_pass("post_grad_custom_pre_pas", lambda graph: None, lambda: "v1")
-
-
-def test_aten_op_mode_sees_allocations_and_ops():
-    """host/record.py tells a replayable call (allocations only) from one that computes with torch ops."""
-    seen = []
-
-    class Mode(compat.aten_op_mode()):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    x = torch.randn(3, 4)
-    with Mode():
-        torch.empty_like(x)
-        x.t().contiguous()
-    assert seen[0] == torch.ops.aten.empty_like.default and len(seen) > 1
-    assert not compat.transforms_active() and torch.func.vmap(
-        lambda t: torch.tensor(compat.transforms_active()))(x).all()

@@ -7,8 +7,6 @@ APIs only, with one exception torch itself documents: a `ParallelStyle` subclass
 
 Autograd engine (the reducer's "first grad of this backward" and "end of this backward"):
   `torch._C._current_graph_task_id`, `torch.autograd.Variable._execution_engine.queue_callback`.
-autograd.Function's C apply (`torch._C._FunctionBase.apply`) and `torch._C._functorch.unwrap_if_dead`,
-  `_are_functorch_transforms_active`: `Function.apply` without its Python wrapper (`fast_apply`).
 FSDP2 (`fully_shard`) state, for "does FSDP hold no-sync grads" (`fsdp_checkpoint.pending_grads`):
   `FSDPModule._get_fsdp_state`, `FSDPState._fsdp_param_groups` (torch >= 2.12; `_fsdp_param_group`
   before), `FSDPParamGroup.fsdp_params`, `FSDPParam.unsharded_accumulated_grad` / `_unsharded_param` /
@@ -17,7 +15,6 @@ FSDP1: `ModuleWrapPolicy._run_policy` / `_module_classes` (a wrap policy that lo
   before choosing its classes), `MixedPrecision._module_classes_to_ignore` (norms kept in fp32).
 Inductor: `torch._inductor.config.pre_grad_custom_pass` / `post_grad_custom_post_pass` and
   `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes).
-Dispatch: `torch.utils._python_dispatch.TorchDispatchMode` (host/record.py sees a recorded call's aten ops).
 
 Framework-specific internals (DeepSpeed's AutoTP) stay in their adapter, `shardnorm/deepspeed/autotp.py`;
 Triton's launch internals in `shardnorm/kernels/launch.py`.
@@ -28,8 +25,6 @@ import functools
 import torch
 
 CHECKED_ON = ("2.11", "2.13")  # torch versions this file was checked against
-
-transforms_active = torch._C._are_functorch_transforms_active  # vmap/grad running: Functions take their wrapper
 
 
 # ---- autograd engine -------------------------------------------------------------------------------------
@@ -44,25 +39,6 @@ def queue_backward_callback(callback) -> None:
 
     Must be called from inside a backward (a hook or an autograd Function's backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def fast_apply(function_class, tensors: int):
-    """`function_class.apply` minus the Python wrapper's per-call cost (several us of host time:
-    `_is_setup_context_defined`, a generator over every argument): the C apply, after what the wrapper
-    does for a Function without `setup_context` outside functorch transforms (dead functorch wrappers
-    unwrapped), for a Function whose first `tensors` arguments are the tensors (or None) and the rest
-    not. Inside a transform (vmap, grad) it is the wrapper itself."""
-    if function_class.setup_context is not torch.autograd.Function.setup_context:
-        raise TypeError("fast_apply: a Function with setup_context binds default args in apply; use .apply")
-    c_apply = super(torch.autograd.Function, function_class).apply  # torch._C._FunctionBase.apply, bound
-    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-
-    def apply(*args):
-        if transforms_active():
-            return function_class.apply(*args)
-        return c_apply(*[a if a is None else unwrap_if_dead(a) for a in args[:tensors]], *args[tensors:])
-
-    return apply
 
 
 # ---- FSDP2 ---------------------------------------------------------------------------------------------
@@ -164,12 +140,3 @@ def add_inductor_graph_pass(slot: str, graph_pass, uuid) -> bool:
     chained.wraps = graph_pass  # on the instance: a class attribute would come back as a bound method
     setattr(config, slot, chained)
     return True
-
-
-# ---- dispatch ----------------------------------------------------------------------------------------------
-
-def aten_op_mode():
-    """TorchDispatchMode, the base class of a mode that sees every aten op run on this thread."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import host, ops
+from . import ops
 from .ops import as_rows as _rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,18 +55,11 @@ def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
         raise ValueError(f"eps must be >= 0, got {eps}")
 
 
-_is_compiling = torch.compiler.is_compiling
-
 # torch.finfo(dtype).eps, the default eps of rms_norm (torch.finfo costs ~0.5 us per call).
 _DEFAULT_EPS = {dtype: torch.finfo(dtype).eps for dtype in SUPPORTED_DTYPES}
 
 
 def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool, zero_centered: bool):
-    fast = host.module_norm  # the C++ host path (host/): None where it is off or leaves the call to this path
-    out = fast(x, residual, normalized_shape, weight, bias, eps, rms, zero_centered) \
-        if fast is not None and not _is_compiling() else None
-    if out is not None:
-        return out
     shape = normalized_shape if type(normalized_shape) is tuple else \
         (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     eps = _DEFAULT_EPS.get(x.dtype, 0.0) if eps is None else float(eps)  # other dtypes: _check raises
