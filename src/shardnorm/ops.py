@@ -6,9 +6,9 @@ Two entry points share one forward, one saved state and one backward:
 - `torch.compile`: the custom ops `shardnorm::norm_fwd` / `norm_bwd` (fake impls, registered autograd), which
   Dynamo traces without graph breaks.
 
-Why not the custom op everywhere: its dispatch costs ~55 us of host time per eager call on CI's CPU against ~6 us
-for `Function.apply` (`python benchmarks/host_time.py --dispatch`), which is the whole kernel's time at small
-shapes. Tensor subclasses other than a collective's pending result take the custom op, whose dispatch unwraps them.
+Why not the custom op everywhere: its dispatch costs ~50 us of host time more per eager call than
+`Function.apply` on CI's CPU (`python benchmarks/host_time.py`: rows `shardnorm_custom_op` against
+`shardnorm_functional`), as long as the whole kernel at small shapes. Tensor subclasses other than a collective's pending result take the custom op, whose dispatch unwraps them.
 
 `norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
 `norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy2=None, dy3=None) -> (dx, dw, db)` work
