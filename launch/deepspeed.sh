@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The main job through the deepspeed launcher (ZeRO data parallel, norms converted by the
-# "shardnorm" section of the DeepSpeed JSON), from the repository root:
+# "shardnorm" section of the DeepSpeed JSON):
 #   launch/deepspeed.sh CONFIG [parallel.deepspeed_config=configs/deepspeed/zero3.json] [overrides]
 # One process per visible GPU, or 2 CPU processes with DS_ACCELERATOR=cpu; NPROC=N overrides.
+# Runs under the repository's .venv (set up on first use) or PYTHON; see launch/python_env.sh.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
 
-GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if (( GPUS == 0 )); then
   export DS_ACCELERATOR=cpu
 fi
@@ -15,7 +15,8 @@ NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 2 ))}
 CONFIG=$1
 shift
 ARGS=("$CONFIG" parallel.engine=deepspeed parallel.tp=1 "$@")
-python -m parallel.config --world-size "$NPROC" "${ARGS[@]}" > /dev/null
-PORT=$(python -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")
-exec deepspeed --num_gpus "$NPROC" --master_port "$PORT" --no_local_rank --module parallel.train \
-  "${ARGS[@]}"
+"$PY" -m parallel.config --world-size "$NPROC" "${ARGS[@]}" > /dev/null
+PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")
+# the `deepspeed` command's module, run by $PY: its ranks start under the same interpreter
+exec "$PY" -m deepspeed.launcher.runner --num_gpus "$NPROC" --master_port "$PORT" --no_local_rank \
+  --module parallel.train "${ARGS[@]}"

@@ -1,11 +1,54 @@
 #!/usr/bin/env bash
-# Install shardnorm (editable) with its test, train, deepspeed and framework (hf, torchtitan, lightning) extras.
-# Without a GPU, torch is pinned to the CPU build first, so that no dependency range pulls a CUDA
-# build of torch (several GB) from the registry. Idempotent: a second run installs nothing new.
+# Create or update the repository's virtual environment, .venv, and install shardnorm (editable) with its
+# test, train and framework extras at the versions in constraints.txt. Quiet, and quick when .venv is up to
+# date (the launchers and tests/run.sh call it every time).
+#   Without a GPU (CI): a venv of its own, no site-packages of the machine; torch and triton go in first,
+#     so that no dependency range pulls a CUDA build of torch (several GB) from the registry.
+#   With a GPU (nvidia-smi): the venv sees the machine's packages (--system-site-packages) and keeps the
+#     preinstalled torch, triton and transformers as they are (launch/gpu_constraints.py); the pins apply to
+#     what the machine lacks. Wheels in .whl/ are offered too (for a machine without a registry).
+# BASE_PYTHON: the interpreter the venv is made from (python3). SHARDNORM_EXTRAS: the extras to install.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  "$PY" -m pip install -q "torch==2.13.0" "triton==3.9.0"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+BASE_PYTHON=${BASE_PYTHON:-python3}
+EXTRAS=${SHARDNORM_EXTRAS:-test,train,deepspeed,hf,torchtitan,lightning}
+if command -v nvidia-smi >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
+
+# what .venv was last set up for: the mode, the extras and the pins; nothing to do while they stand
+STAMP="$VENV/.shardnorm-setup"
+WANT="$MODE $EXTRAS $(cat "$ROOT/constraints.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+  exit 0
 fi
-"$PY" -m pip install -q -e ".[test,train,deepspeed,hf,torchtitan,lightning]"
+# a venv made for the other mode sees (or hides) the machine's packages: make it again
+if [[ -f "$STAMP" && "$(cut -d' ' -f1 "$STAMP")" != "$MODE" ]]; then
+  rm -rf "$VENV"
+fi
+rm -f "$STAMP"
+
+if [[ "$MODE" == cpu ]]; then
+  [[ -x "$VENV/bin/python" ]] || "$BASE_PYTHON" -m venv "$VENV"
+  CONSTRAINTS="$ROOT/constraints.txt"
+  PIP=("$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS")
+  "${PIP[@]}" torch triton
+else
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    # where the system's venv module lacks ensurepip, the machine's own pip serves the venv
+    "$BASE_PYTHON" -m venv --system-site-packages "$VENV" 2>/dev/null \
+      || "$BASE_PYTHON" -m venv --system-site-packages --without-pip --clear "$VENV"
+  fi
+  CONSTRAINTS="$VENV/constraints.txt"
+  "$BASE_PYTHON" "$ROOT/launch/gpu_constraints.py" "$ROOT/constraints.txt" > "$CONSTRAINTS"
+  PIP=("$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS")
+  if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
+    PIP+=(--find-links "$ROOT/.whl")
+  fi
+  # with the machine's setuptools the editable build needs no registry
+  if "$VENV/bin/python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" \
+      2>/dev/null; then
+    PIP+=(--no-build-isolation)
+  fi
+fi
+"${PIP[@]}" -e "$ROOT[$EXTRAS]"
+echo "$WANT" > "$STAMP"

@@ -5,12 +5,16 @@ triton is first imported), so CI proves the kernels and not only the torch path.
 """
 
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the launchers the tests start (launch/train.sh, launch/deepspeed.sh) run under the interpreter running the
+# tests, whichever environment that is, rather than setting up the repository's .venv
+os.environ.setdefault("PYTHON", sys.executable)
 
 BACKENDS = ("triton", "torch")
 

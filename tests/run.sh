@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# The test command: install, then run the whole suite (Triton kernels interpreted on CPU where
-# there is no GPU; multi-process tests on gloo). Extra arguments go to pytest.
+# The test command: set up the repository's .venv (launch/setup.sh: created if absent, reused if present),
+# then run the whole suite with its interpreter (Triton kernels interpreted on CPU where there is no GPU;
+# multi-process tests on gloo). Extra arguments go to pytest. PYTHON=/path/to/python runs the suite under
+# an environment of your own instead, installing nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash launch/setup.sh
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+if [[ -z "${PYTHON:-}" ]]; then
+  bash launch/setup.sh
+  PYTHON="$PWD/.venv/bin/python"
+fi
+# the launchers the tests start (launch/train.sh, launch/deepspeed.sh) run under the same interpreter
+export PYTHON
+# pytest's own exit status, 5 (no tests collected) included, is the command's
+exec "$PYTHON" -m pytest -q "$@"
