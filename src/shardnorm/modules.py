@@ -4,7 +4,9 @@ They subclass `torch.nn.LayerNorm` / `torch.nn.RMSNorm`, so constructor argument
 `extra_repr`, `reset_parameters` and state_dict keys are torch's own and `load_state_dict` works both
 ways (and `isinstance(m, torch.nn.LayerNorm)` stays true for code that looks for norms). Added:
 `zero_centered_gamma` (scale = 1 + weight; weight then initializes to zeros) and an optional
-`residual` argument to `forward` that fuses the prenorm residual add and returns `(y, x + residual)`.
+`residual` argument to `forward` that fuses the prenorm residual add and returns `(y, x + residual)`, and
+`keep_output` (False: the output is not kept between forward and backward but recomputed into its own storage
+before the backward reads it; see `shardnorm.output_recompute`).
 """
 
 from typing import Optional
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import functional as F
+from . import output_recompute
 
 
 class _FusedNorm:
@@ -24,13 +27,27 @@ class _FusedNorm:
     registered."""
 
     zero_centered_gamma: bool = False
+    _keep_output: bool = True
     _rms: bool
+
+    @property
+    def keep_output(self) -> bool:
+        return self._keep_output
+
+    @keep_output.setter
+    def keep_output(self, keep: bool) -> None:
+        output_recompute.set_keep_output(self, keep)
+        self._keep_output = keep
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):
         params = self._parameters
         weight = params["weight"] if "weight" in params else self.weight
         bias = params["bias"] if "bias" in params else None if self._rms else getattr(self, "bias", None)
         y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
+        if not self._keep_output:
+            output_recompute.track(self, y, x if z is None else z, weight, bias,
+                                   F._DEFAULT_EPS.get(x.dtype, 0.0) if self.eps is None else self.eps, self._rms,
+                                   self.zero_centered_gamma, tuple(self.normalized_shape))
         return y if residual is None else (y, z)
 
     def reset_parameters(self) -> None:
@@ -39,7 +56,8 @@ class _FusedNorm:
             torch.nn.init.zeros_(self.weight)
 
     def extra_repr(self) -> str:
-        extra = ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        extra = (", zero_centered_gamma=True" if self.zero_centered_gamma else "") + \
+            (", keep_output=False" if not self._keep_output else "")
         return super().extra_repr() + extra
 
 
@@ -47,15 +65,17 @@ class LayerNorm(_FusedNorm, torch.nn.LayerNorm):
     _rms = False
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 device=None, dtype=None, *, zero_centered_gamma: bool = False) -> None:
+                 device=None, dtype=None, *, zero_centered_gamma: bool = False, keep_output: bool = True) -> None:
         self.zero_centered_gamma = zero_centered_gamma  # read by reset_parameters inside super().__init__
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self.keep_output = keep_output
 
 
 class RMSNorm(_FusedNorm, torch.nn.RMSNorm):
     _rms = True
 
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
-                 device=None, dtype=None, *, zero_centered_gamma: bool = False) -> None:
+                 device=None, dtype=None, *, zero_centered_gamma: bool = False, keep_output: bool = True) -> None:
         self.zero_centered_gamma = zero_centered_gamma
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.keep_output = keep_output

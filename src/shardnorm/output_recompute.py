@@ -1,0 +1,334 @@
+"""Norm outputs not kept between forward and backward (`keep_output=False`), recomputed into their own storage.
+
+In a pre-norm decoder the norm's output y is saved by every matmul that reads it (q/k/v; gate/up) while the
+norm already keeps what recomputing y takes: its input x (or z = x + residual) and the parameters. With
+`keep_output=False` y's storage is freed once every consumer's forward has run and refilled, bitwise, right
+before any backward that may read it (Megatron-Core's output-discarding recompute, `--recompute-modules
+layernorm`, without naming the consumers):
+
+- Release: when the forward of the module that called the norm (its *parent*: the decoder layer) returns,
+  every consumer inside it has saved y. The norm's storage is then resized to 0 bytes; the tensor objects
+  (y, the views the matmuls saved) stay, so autograd's saved-tensor bookkeeping and version counters are
+  untouched. Kept instead of released: y (or a view of it) is part of the parent's output (a final norm whose
+  output goes to lm_head outside), grad is off or y needs no grad, the call is inside a backward
+  (a checkpoint's recompute) or under saved-tensors hooks (non-reentrant `torch.utils.checkpoint`,
+  `save_on_cpu`: they manage the saved tensors themselves), under torch.compile or a functorch transform,
+  the parent's forward raised, no output of the parent carries a grad_fn of its own, or a DTensor output
+  is sharded over the normalized dims (its recompute needs collectives).
+- Refill: a pre-hook on the autograd node of each of the parent's outputs (`Node.register_prehook`, which
+  runs after the tensor hooks that FSDP2 puts on the same outputs to unshard the parameters) resizes the
+  storage back and runs the norm's forward into it (`ops.norm_forward_into`, same backend and kernel on the
+  same src, under no_grad): every backward inside the parent's graph comes after that node, so y is whole
+  again before the first consumer's backward reads it. One recompute for all consumers; no second buffer.
+- Parents are known from a module-call stack kept by global module forward hooks
+  (`torch.nn.modules.module.register_module_forward_pre_hook` / `register_module_forward_hook`), installed
+  only while some norm has keep_output=False.
+
+What is detected and raised (`KeepOutputError`): y modified in place between the norm's forward and the
+parent's return (the recompute would lose the change), or after its release; the norm's src modified in
+place, or src / weight / bias not materialized (storage freed: e.g. an FSDP unit holding only the norm, whose
+unshard comes later in backward than the parent's outputs) at the refill.
+What cannot be detected: code that reads y outside autograd after the parent returned and before its
+backward (a forward hook of an outer module that reads it, a cache attribute, a custom autograd Function
+that keeps y on ctx by reference and reads it in a backward that does not come after the parent's outputs):
+the storage is empty then and the read is invalid memory. Such models keep keep_output=True.
+
+Under torch.compile the mechanism is off (the hooks return at once while Dynamo traces) and AOTAutograd's
+partitioner decides what the backward keeps; see `COMPILED_BEHAVIOUR`.
+"""
+
+import math
+import threading
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _torch_compat, ops
+
+COMPILED_BEHAVIOUR = (
+    "Under torch.compile, keep_output=False changes nothing: the forward hooks return at once while Dynamo "
+    "traces, and the min-cut partitioner saves the custom op shardnorm::norm_fwd's output y for the matmuls' "
+    "backward (a custom op counts as not recomputable), as with keep_output=True.")
+
+
+class KeepOutputError(RuntimeError):
+    """A norm with keep_output=False could not recompute its output faithfully."""
+
+
+# ---- which norms have the option on, and the global hooks that exist only while some do ----------------------
+
+_discarding: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_handles: list = []
+_lock = threading.Lock()
+
+
+def set_keep_output(module: torch.nn.Module, keep: bool) -> None:
+    """Record `module`'s option; the module-call hooks are installed while at least one module discards."""
+    if not isinstance(keep, bool):
+        raise TypeError(f"keep_output must be a bool, got {type(keep).__name__}")
+    with _lock:
+        if keep:
+            _discarding.discard(module)
+        else:
+            _discarding.add(module)
+            weakref.finalize(module, _uninstall_if_unused)
+        _install() if len(_discarding) else _uninstall()
+
+
+def _uninstall_if_unused() -> None:
+    with _lock:
+        if not len(_discarding):
+            _uninstall()
+
+
+def _install() -> None:
+    if not _handles:
+        hooks = torch.nn.modules.module
+        _handles.append(hooks.register_module_forward_pre_hook(_enter))
+        _handles.append(hooks.register_module_forward_hook(_leave, with_kwargs=True, always_call=True))
+
+
+def _uninstall() -> None:
+    while _handles:
+        _handles.pop().remove()
+
+
+def hooks_installed() -> bool:
+    return bool(_handles)
+
+
+# ---- the module-call stack ------------------------------------------------------------------------------------
+
+class _Frame:
+    """One module whose forward is running, and the norm outputs waiting for its return."""
+
+    __slots__ = ("module", "pending")
+
+    def __init__(self, module):
+        self.module, self.pending = module, None
+
+
+_local = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _enter(module, args):
+    if torch.compiler.is_compiling():
+        return
+    _stack().append(_Frame(module))
+
+
+def _leave(module, args, *kwargs_and_output):
+    """Forward hook (with kwargs; an exception in forward calls it as (module, args, result))."""
+    if torch.compiler.is_compiling():
+        return
+    stack = _stack()
+    frame = None
+    while stack:  # a module whose pre-hook ran but whose forward hooks did not (an exception in a hook) pops too
+        frame = stack.pop()
+        if frame.module is module:
+            break
+    if frame is None or frame.module is not module or not frame.pending:
+        return
+    if len(kwargs_and_output) == 2:
+        kwargs, output = kwargs_and_output
+    else:
+        kwargs, output = {}, kwargs_and_output[0]
+    _release(frame.pending, args, kwargs, output)
+
+
+# ---- one norm output ------------------------------------------------------------------------------------------
+
+class _Output:
+    """A norm output whose storage may be released, with what recomputing it takes (local tensors for DTensors)."""
+
+    __slots__ = ("owner", "y", "src", "weight", "bias", "eps", "rms", "zero_centered", "n", "y_version",
+                 "src_version", "nbytes", "released")
+
+    def __init__(self, owner, y, src, weight, bias, eps, rms, zero_centered, n):
+        self.owner, self.y, self.src, self.weight, self.bias = owner, y, src, weight, bias
+        self.eps, self.rms, self.zero_centered, self.n = eps, rms, zero_centered, n
+        self.y_version, self.src_version = _torch_compat.tensor_version(y), _torch_compat.tensor_version(src)
+        self.nbytes, self.released = 0, False
+
+    def name(self) -> str:
+        return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
+
+    def release(self) -> None:
+        version = _torch_compat.tensor_version(self.y)
+        if version != self.y_version:
+            raise KeepOutputError(
+                f"{self.name()}: its output was modified in place after the norm's forward (version "
+                f"{self.y_version} -> {version}); the backward would recompute it without that change. Keep this "
+                "norm's output (keep_output=True) or modify a copy.")
+        storage = self.y.untyped_storage()
+        self.nbytes = storage.nbytes()
+        storage.resize_(0)
+        self.released = True
+
+    def refill(self) -> None:
+        if not self.released:
+            return
+        version = _torch_compat.tensor_version(self.y)
+        if version != self.y_version:
+            raise KeepOutputError(f"{self.name()}: its output was written to after its storage was released "
+                                  f"(version {self.y_version} -> {version})")
+        if _torch_compat.tensor_version(self.src) != self.src_version:
+            raise KeepOutputError(f"{self.name()}: the norm's input (x, or x + residual) was modified in place "
+                                  "after the forward; its output cannot be recomputed")
+        for what, t in (("input", self.src), ("weight", self.weight), ("bias", self.bias)):
+            if t is not None and t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+                raise KeepOutputError(
+                    f"{self.name()}: its {what} is not materialized when the output is recomputed (storage freed: "
+                    "e.g. an FSDP unit or ZeRO-3 partition holding the norm's parameters alone, gathered only "
+                    "when backward reaches the norm). Keep this norm's output (keep_output=True).")
+        storage = self.y.untyped_storage()
+        storage.resize_(self.nbytes)
+        self.released = False
+        y = self.y
+        # A tensor of its own over y's storage: writing through it leaves y's version counter (which the saved
+        # copies of y are checked against) as it is.
+        into = y.new_empty(0).set_(storage, y.storage_offset(), (y.numel() // self.n, self.n), (self.n, 1))
+        ops.norm_forward_into(into, ops.as_rows(self.src, self.n), _flat(self.weight, self.n),
+                              _flat(self.bias, self.n), self.eps, self.rms, self.zero_centered)
+
+
+def _flat(p: Optional[Tensor], n: int) -> Optional[Tensor]:
+    return p if p is None or p.dim() == 1 and p.stride(0) == 1 else p.reshape(n).contiguous()
+
+
+# ---- registration (the norm's forward) -------------------------------------------------------------------------
+
+def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, rms: bool,
+          zero_centered: bool, normalized_shape: tuple) -> None:
+    """Called by a keep_output=False norm right after its forward: y (the output) waits for its parent's forward
+    to return, then is released until the parent's backward starts. `src` is x, or z = x + residual."""
+    if owner is not None and owner not in _discarding:  # a copy (deepcopy, pickle) of a registered module
+        set_keep_output(owner, False)
+        return
+    if not torch.is_grad_enabled() or not y.requires_grad or torch.compiler.is_compiling() \
+            or _torch_compat.current_graph_task_id() != -1 or _torch_compat.saved_tensors_hooks_active() \
+            or _torch_compat.functorch_transforms_active():
+        return
+    stack = _stack()
+    depth = len(stack) - (2 if stack and stack[-1].module is owner else 1)  # called as a module, or inside one
+    if depth < 0:
+        return
+    n = math.prod(normalized_shape)
+    if type(y).__name__ == "DTensor":
+        local = _dtensor_locals(y, src, weight, bias, len(normalized_shape))
+        if local is None:
+            return
+        y, src, weight, bias = local
+    elif not _plain(y, src, weight, bias):
+        return
+    if not y.is_contiguous() or y.numel() == 0:
+        return
+    frame = stack[depth]
+    if frame.pending is None:
+        frame.pending = []
+    frame.pending.append(_Output(owner, y, src, weight, bias, float(eps), rms, zero_centered, n))
+
+
+_PLAIN = (Tensor, torch.nn.Parameter, type(None))
+
+
+def _plain(*tensors) -> bool:
+    return all(type(t) in _PLAIN for t in tensors)
+
+
+def _dtensor_locals(y, src, weight, bias, normalized_ndim: int) -> Optional[tuple]:
+    """(y, src, weight, bias) as this rank's tensors when each rank's norm is its own (rows sharded or
+    replicated, parameters replicated); None otherwise (hidden-sharded: the recompute needs collectives)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    first_normalized = y.dim() - normalized_ndim
+    for t in (y, src):
+        if not isinstance(t, DTensor):
+            return None
+        for p in t.placements:
+            if not (isinstance(p, Replicate) or isinstance(p, Shard) and p.dim % t.dim() < first_normalized):
+                return None
+    for p in (weight, bias):
+        if isinstance(p, DTensor) and not all(isinstance(q, Replicate) for q in p.placements):
+            return None
+    with torch.no_grad():
+        local = tuple(t.to_local() if isinstance(t, DTensor) else t for t in (y, src, weight, bias))
+    return local if _plain(*local[1:]) else None
+
+
+# ---- release at the parent's return, refill before its backward -------------------------------------------------
+
+def _tensors(obj, found: list, depth: int = 0) -> list:
+    """Every tensor in a module's output (tuples, lists, dicts and ModelOutput-like mappings, dataclasses)."""
+    if isinstance(obj, Tensor):
+        found.append(obj)
+    elif depth > 8:
+        return found
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            _tensors(item, found, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _tensors(item, found, depth + 1)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for field in obj.__dataclass_fields__:
+            _tensors(getattr(obj, field, None), found, depth + 1)
+    return found
+
+
+def _storage_key(t: Tensor):
+    if type(t).__name__ == "DTensor":
+        t = t.to_local()
+    try:
+        return t.untyped_storage().data_ptr(), t.device
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return None
+
+
+def _release(pending: list, args, kwargs, output) -> None:
+    outputs = _tensors(output, [])
+    input_nodes = {t.grad_fn for t in _tensors((args, kwargs), []) if t.grad_fn is not None}
+    nodes = []
+    for t in outputs:  # the parent's own outputs' nodes (an input handed back unchanged is not the parent's graph)
+        node = t.grad_fn
+        if node is not None and node not in input_nodes and node not in nodes:
+            nodes.append(node)
+    if not nodes:
+        return
+    with torch.no_grad():
+        kept = {_storage_key(t) for t in outputs}
+    released = []
+    for out in pending:
+        if _storage_key(out.y) in kept:  # y is (part of) the parent's output: its readers are outside
+            continue
+        out.release()
+        released.append(out)
+    if not released:
+        return
+    refill = _Refill(released)
+    for node in nodes:
+        node.register_prehook(refill)
+
+
+class _Refill:
+    """Pre-hook on the parent's output nodes: the first to run recomputes every released output."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, outputs: list):
+        self.outputs = outputs
+
+    def __call__(self, grad_outputs):
+        outputs, self.outputs = self.outputs, None
+        if outputs:
+            for out in outputs:
+                out.refill()

@@ -1,0 +1,331 @@
+"""keep_output=False: norm outputs released between forward and backward and recomputed into their own storage.
+
+Every check runs the same model twice from the same seed, option off and on, and compares the loss and every grad
+bitwise; the release itself is checked on the outputs' storage (0 bytes between the forward and the backward).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import shardnorm
+from shardnorm import output_recompute
+from shardnorm.output_recompute import KeepOutputError
+
+H = 32
+
+
+class Block(torch.nn.Module):
+    """A pre-norm block: attention-like (two consumers of the first norm's output) and MLP-like sublayers."""
+
+    def __init__(self, keep: bool, rms: bool = True, residual_form: bool = False, zero_centered: bool = False):
+        super().__init__()
+        norm = shardnorm.RMSNorm if rms else shardnorm.LayerNorm
+        self.norm1 = norm(H, keep_output=keep, zero_centered_gamma=zero_centered)
+        self.norm2 = norm(H, keep_output=keep, zero_centered_gamma=zero_centered)
+        self.q, self.k = torch.nn.Linear(H, H), torch.nn.Linear(H, H)
+        self.up, self.gate, self.down = torch.nn.Linear(H, 2 * H), torch.nn.Linear(H, 2 * H), torch.nn.Linear(2 * H, H)
+        self.residual_form = residual_form
+
+    def forward(self, x, residual=None):
+        if self.residual_form:  # (y, z) = norm(x, residual): the residual stream z is the block's output
+            h, z = self.norm1(x, residual) if residual is not None else (self.norm1(x), x)
+            a = self.q(h) * torch.sigmoid(self.k(h))
+            h, z = self.norm2(a, z)
+            return self.down(self.up(h) * torch.nn.functional.silu(self.gate(h))), z
+        h = self.norm1(x)
+        x = x + self.q(h) * torch.sigmoid(self.k(h))
+        h = self.norm2(x)
+        return x + self.down(self.up(h) * torch.nn.functional.silu(self.gate(h)))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, keep: bool, layers: int = 3, final_norm: bool = True, **kw):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(keep=keep, **kw) for _ in range(layers))
+        self.final = shardnorm.RMSNorm(H, keep_output=keep) if final_norm else None
+        self.head = torch.nn.Linear(H, 7)
+
+    def forward(self, x):
+        residual = None
+        for block in self.blocks:
+            if block.residual_form:
+                x, residual = block(x, residual)
+            else:
+                x = block(x)
+        if residual is not None:
+            x = x + residual
+        return self.head(self.final(x) if self.final is not None else x)
+
+
+def _perturb(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _outputs_of(model) -> list:
+    """Every shardnorm norm's output in the next forward (y only: the residual form's z is the stream)."""
+    seen = []
+
+    def hook(module, args, output):
+        seen.append(output[0] if isinstance(output, tuple) else output)
+
+    for m in model.modules():
+        if isinstance(m, (shardnorm.RMSNorm, shardnorm.LayerNorm)):
+            m.register_forward_hook(hook)
+    return seen
+
+
+def _as_torch_norms(model, eps: float) -> None:
+    """shardnorm's norms swapped for torch's over the same Parameters (a float64 reference)."""
+    for parent in list(model.modules()):
+        for name, m in list(parent.named_children()):
+            if isinstance(m, shardnorm.RMSNorm):
+                ref = torch.nn.RMSNorm(m.normalized_shape, eps=eps)
+            elif isinstance(m, shardnorm.LayerNorm):
+                ref = torch.nn.LayerNorm(m.normalized_shape, eps=m.eps)
+                ref.bias = m.bias
+            else:
+                continue
+            ref.weight = m.weight
+            setattr(parent, name, ref)
+
+
+def _run(keep: bool, seed: int, steps: int = 1, dtype=torch.float32, watch=None, **kw):
+    torch.manual_seed(seed)
+    model = Stack(keep, **kw)
+    _perturb(model, seed)
+    if dtype == torch.float64:
+        _as_torch_norms(model, eps=torch.finfo(torch.float32).eps)
+    model = model.to(dtype)
+    outputs = _outputs_of(model)
+    losses = []
+    for step in range(steps):  # gradient accumulation: grads summed over the steps
+        x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(seed + step)).to(dtype)
+        x.requires_grad_(True)
+        outputs.clear()
+        loss = model(x).float().square().mean()
+        if watch is not None:
+            watch(outputs)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, [x.grad] + [p.grad for p in model.parameters()], outputs
+
+
+def _assert_bitwise(a, b):
+    losses_a, grads_a, _ = a
+    losses_b, grads_b, _ = b
+    assert all(torch.equal(u, v) for u, v in zip(losses_a, losses_b))
+    assert len(grads_a) == len(grads_b)
+    for i, (u, v) in enumerate(zip(grads_a, grads_b)):
+        assert u is not None and v is not None, i
+        assert torch.equal(u, v), f"grad {i} differs: max {(u - v).abs().max().item()}"
+
+
+def _released_count(outputs) -> int:
+    return sum(y.untyped_storage().nbytes() == 0 for y in outputs)
+
+
+@pytest.mark.parametrize("rms", [True, False])
+@pytest.mark.parametrize("residual_form", [False, True])
+def test_grads_bitwise_and_storage_released(backend, rms, residual_form):
+    released = []
+    dtype = torch.bfloat16 if residual_form else torch.float32
+    kw = dict(rms=rms, residual_form=residual_form, zero_centered=not rms, dtype=dtype)
+    off = _run(True, 11, **kw)
+    on = _run(False, 11, watch=lambda outs: released.append(_released_count(outs)), **kw)
+    _assert_bitwise(off, on)
+    # 3 blocks x 2 norms released; the final norm's output is the Stack's input to head, not a block's: the
+    # Stack is its parent and returns head(y), so it is released too
+    assert released == [7]
+    assert all(y.untyped_storage().nbytes() > 0 for y in on[2])  # refilled by the backward
+
+
+def test_gradient_accumulation_and_fp64_reference(backend):
+    """Accumulated over 3 micro-batches: bitwise equal to the option off; and both near the float64 model."""
+    off = _run(True, 5, steps=3, rms=True)
+    on = _run(False, 5, steps=3, rms=True)
+    _assert_bitwise(off, on)
+    ref = _run(True, 5, steps=3, rms=True, dtype=torch.float64)
+    for u, v in zip(on[1], ref[1]):
+        assert ((u.double() - v).norm() / v.norm()).item() < 1e-4
+    assert ((on[1][0].double() - ref[1][0]).norm() / ref[1][0].norm()).item() > 0  # fp32 is not float64
+
+
+def test_output_of_parent_is_kept():
+    """A norm whose output is the parent's output (or a view of it) is not released."""
+    norm = shardnorm.RMSNorm(H, keep_output=False)
+    parent = torch.nn.Sequential(torch.nn.Linear(H, H), norm)
+    outputs = _outputs_of(parent)
+    y = parent(torch.randn(4, H))
+    assert outputs[0] is y and y.untyped_storage().nbytes() > 0
+    y.sum().backward()
+
+
+def test_not_released_without_grad_or_under_checkpoint():
+    torch.manual_seed(0)
+    model = Stack(False)
+    outputs = _outputs_of(model)
+    x = torch.randn(2, 3, H, requires_grad=True)
+    with torch.no_grad():
+        model(x)
+    assert _released_count(outputs) == 0
+    outputs.clear()
+    out = torch.utils.checkpoint.checkpoint(model.blocks[0], x, use_reentrant=False)
+    assert len(outputs) == 2 and _released_count(outputs) == 0  # saved-tensors hooks active: the checkpoint's
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_blocks_bitwise(use_reentrant):
+    """Blocks under torch.utils.checkpoint (the option then does nothing, the checkpoint frees everything)."""
+
+    def run(keep):
+        torch.manual_seed(3)
+        model = Stack(keep)
+        _perturb(model, 3)
+        x = torch.randn(2, 4, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        h = x
+        for block in model.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=use_reentrant)
+        model.head(model.final(h)).square().mean().backward()
+        return [x.grad] + [p.grad for p in model.parameters()]
+
+    for u, v in zip(run(True), run(False)):
+        assert torch.equal(u, v)
+
+
+def test_in_place_change_of_output_raises():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = shardnorm.RMSNorm(H, keep_output=False), torch.nn.Linear(H, H)
+
+        def forward(self, x):
+            y = self.norm(x)
+            y.mul_(2.0)  # the recompute would not repeat this
+            return self.lin(y)
+
+    with pytest.raises(KeepOutputError, match="modified in place"):
+        Bad()(torch.randn(3, H, requires_grad=True))
+
+
+def test_in_place_change_of_input_raises():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = shardnorm.RMSNorm(H, keep_output=False), torch.nn.Linear(H, H)
+
+        def forward(self, x):
+            return self.lin(self.norm(x))
+
+    x = torch.randn(3, H, requires_grad=True)
+    h = x * 1.0
+    out = Bad()(h)
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(KeepOutputError, match="input"):
+        out.sum().backward()
+
+
+def test_double_backward_bitwise():
+    def run(keep):
+        torch.manual_seed(2)
+        model = Stack(keep, layers=2)
+        _perturb(model, 2)
+        x = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        (gx,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        return [x.grad] + [p.grad for p in model.parameters()]
+
+    for u, v in zip(run(True), run(False)):
+        assert torch.equal(u, v)
+
+
+def test_retain_graph_second_backward():
+    torch.manual_seed(4)
+    model = Stack(False, layers=2)
+    x = torch.randn(2, 3, H, requires_grad=True)
+    loss = model(x).square().mean()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    loss.backward()
+    for g, p in zip(first, model.parameters()):
+        assert torch.equal(2 * g, p.grad)
+
+
+def test_option_toggles_hooks_and_repr():
+    norm = shardnorm.RMSNorm(H)
+    assert norm.keep_output and "keep_output" not in repr(norm)
+    norm.keep_output = False
+    assert output_recompute.hooks_installed() and "keep_output=False" in repr(norm)
+    copied = copy.deepcopy(norm)
+    assert copied.keep_output is False
+    norm.keep_output = True
+    copied.keep_output = True
+    others = [m for m in output_recompute._discarding]
+    assert output_recompute.hooks_installed() == bool(others)
+    with pytest.raises(TypeError, match="keep_output"):
+        shardnorm.LayerNorm(H, keep_output="no")
+    state = shardnorm.RMSNorm(H, keep_output=False).state_dict()
+    assert list(state) == ["weight"]  # the option is not state
+
+
+def test_compiled_matches_eager():
+    """Under torch.compile the mechanism is off (Dynamo traces the hooks as no-ops): grads equal eager's."""
+    def run(keep, compiled):
+        torch.manual_seed(6)
+        model = Stack(keep, layers=1)
+        _perturb(model, 6)
+        fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        x = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(6), requires_grad=True)
+        fn(x).square().mean().backward()
+        return [x.grad] + [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    for u, v in zip(run(True, False), run(False, True)):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+# ---- Hugging Face Llama ---------------------------------------------------------------------------------------
+
+def _llama(keep: bool, gradient_checkpointing: bool, seed: int):
+    transformers = pytest.importorskip("transformers")
+    from hf_tiny import randomize_norms, tiny_config
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(tiny_config("llama")).float()
+    randomize_norms(model, seed)
+    shardnorm.convert(model, keep_output=keep)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    return model
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_hf_llama_bitwise(gradient_checkpointing):
+    def run(keep):
+        model = _llama(keep, gradient_checkpointing, seed=8)
+        outputs = _outputs_of(model)
+        released, losses = [], []
+        for step in range(2):  # gradient accumulation
+            ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(step))
+            outputs.clear()
+            loss = model(input_ids=ids, labels=ids).loss
+            released.append(_released_count(outputs))
+            loss.backward()
+            losses.append(loss.detach())
+        return losses, [p.grad for p in model.parameters()], released
+
+    off, on = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(off[0], on[0]))
+    for name_grad in zip(off[1], on[1]):
+        assert torch.equal(*name_grad)
+    # 2 layers x 2 norms each step; the final norm's output is LlamaModel's output: kept. With checkpointing
+    # the layers run under the checkpoint: nothing to release (the checkpoint keeps none of them)
+    assert on[2] == ([0, 0] if gradient_checkpointing else [4, 4])
+    assert off[2] == [0, 0]
