@@ -52,7 +52,7 @@ class TorchEngine:
 
     def _micro_batch(self, last: bool):
         """Neither FSDP (over dp) nor shardnorm's reducer (over tp) reduce before the last one."""
-        return contextlib.nullcontext() if last else shardnorm.fsdp.no_sync(self.model)
+        return contextlib.nullcontext() if last else shardnorm.accumulate(self.model)
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         total = 0.0
@@ -89,11 +89,11 @@ class TorchEngine:
 class DeepSpeedEngine:
     """The TOML owns batch size, accumulation, clipping, precision and the optimizer; the DeepSpeed
     JSON owns ZeRO and the "shardnorm" section (turned off for `--norm torch`), which
-    shardnorm.deepspeed.initialize applies to the model's torch norms."""
+    shardnorm.integrations.deepspeed.initialize applies to the model's torch norms."""
 
     def __init__(self, model: nn.Module, train: TrainConfig, ds_config_path: str,
                  micro_batch_size: int):
-        import shardnorm.deepspeed
+        import shardnorm.integrations.deepspeed
 
         config = json.loads(open(ds_config_path).read())
         replaced = [key for key in ("optimizer", "scheduler", "train_batch_size") if key in config]
@@ -108,7 +108,7 @@ class DeepSpeedEngine:
         config.setdefault("bf16", {})["enabled"] = train.dtype == "bfloat16"
         config.setdefault("shardnorm", {})["enabled"] = train.norm == "shardnorm"
         optimizer, scheduler = build_optimizer(model, train)
-        self.engine, self.optimizer, _, self.scheduler = shardnorm.deepspeed.initialize(
+        self.engine, self.optimizer, _, self.scheduler = shardnorm.integrations.deepspeed.initialize(
             model=model, config=config, optimizer=optimizer, lr_scheduler=scheduler)
         self.model = self.engine.module
         logger.info("DeepSpeed (ZeRO stage %d): %d shardnorm norms in the model",

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 from shardnorm.distributed import SequenceParallelNorm
-from shardnorm.distributed.fsdp import shard_model
+from shardnorm.fsdp import shard_model
 from parallel.config import TrainConfig
 from parallel.model import Block, Transformer
 

@@ -123,7 +123,7 @@ def full_params(model: nn.Module) -> dict:
     """name -> full value of every parameter (gathered under ZeRO-3), in torch.nn terms
     (a zero-centered norm's weight w as its scale 1 + w)."""
     from deepspeed.runtime.zero import GatheredParameters
-    from shardnorm.deepspeed.conversion import shardnorm_modules
+    from shardnorm.integrations.deepspeed_conversion import shardnorm_modules
 
     zero_centered = {id(m.weight) for m in shardnorm_modules(model) if m.zero_centered_gamma}
     with GatheredParameters(list(model.parameters())):

@@ -71,7 +71,7 @@ def step_grads(model: nn.Module, micro_batches: list) -> dict[str, torch.Tensor]
     norm grad reduced twice). Plain or FSDP2 models."""
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        with shardnorm.fsdp.no_sync(model) if not last else torch.enable_grad():
+        with shardnorm.accumulate(model) if not last else torch.enable_grad():
             (cross_entropy(model(x), y) / len(micro_batches)).backward()
     shardnorm.finalize_grads(model)
     grads = {}

@@ -80,7 +80,7 @@ def _counting_all_reduce(counter: list):
 
 def _train(rank, world_size, device, seed, stage, grad_reduce) -> int:
     """Train and compare with plain torch; returns the number of all-reduces the training issued."""
-    import shardnorm.deepspeed as sd
+    import shardnorm.integrations.deepspeed as sd
 
     config = _config(stage, grad_reduce, world_size)
     model = qk_norm_model(seed).to(device)
@@ -114,7 +114,7 @@ def _train(rank, world_size, device, seed, stage, grad_reduce) -> int:
 
 
 def _body(rank, world_size, seed):
-    from shardnorm.deepspeed import ShardnormConfigError
+    from shardnorm.integrations.deepspeed import ShardnormConfigError
 
     device = use_test_device(rank)
     by_deepspeed = _train(rank, world_size, device, seed, 1, "deepspeed")

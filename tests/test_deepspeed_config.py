@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import shardnorm
-import shardnorm.deepspeed as sd
+import shardnorm.integrations.deepspeed as sd
 from deepspeed_harness import CONFIGS, load_config, norm_model
-from shardnorm.deepspeed.config import ShardnormSection
+from shardnorm.integrations.deepspeed_config import ShardnormSection
 
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.json"))
 
@@ -25,12 +25,12 @@ SHIPPED = sorted(p.name for p in CONFIGS.glob("*.json"))
     ({"zero_centered_gamma": "false"}, "shardnorm.zero_centered_gamma"),
     ({"grad_reduce": "per_layer"}, "shardnorm.grad_reduce"),
     ({"grad_reduce": None}, "shardnorm.grad_reduce"),
-    ({"bucket_size_mb": 0}, "shardnorm.bucket_size_mb"),
-    ({"bucket_size_mb": -1.5}, "shardnorm.bucket_size_mb"),
-    ({"bucket_size_mb": True}, "shardnorm.bucket_size_mb"),
-    ({"bucket_size_mb": "25"}, "shardnorm.bucket_size_mb"),
-    ({"bucket_size_mb": float("nan")}, "shardnorm.bucket_size_mb"),
-    ({"bucket_size_mb": float("inf")}, "shardnorm.bucket_size_mb"),
+    ({"bucket_cap_mb": 0}, "shardnorm.bucket_cap_mb"),
+    ({"bucket_cap_mb": -1.5}, "shardnorm.bucket_cap_mb"),
+    ({"bucket_cap_mb": True}, "shardnorm.bucket_cap_mb"),
+    ({"bucket_cap_mb": "25"}, "shardnorm.bucket_cap_mb"),
+    ({"bucket_cap_mb": float("nan")}, "shardnorm.bucket_cap_mb"),
+    ({"bucket_cap_mb": float("inf")}, "shardnorm.bucket_cap_mb"),
     (["enabled"], "shardnorm"),
     (True, "shardnorm"),
 ])
@@ -43,7 +43,7 @@ def test_bad_section_names_its_key(section, key):
 def test_defaults_and_values():
     assert sd.parse_section({}) == ShardnormSection()
     section = sd.parse_section({"replace": ["LayerNorm", "*RMSNorm"], "zero_centered_gamma": True,
-                                "grad_reduce": "deepspeed", "bucket_size_mb": 0.5})
+                                "grad_reduce": "deepspeed", "bucket_cap_mb": 0.5})
     assert section.replace == ("LayerNorm", "*RMSNorm") and section.zero_centered_gamma
     assert section.grad_reduce == "deepspeed" and section.bucket_numel == 2**19 // 4
 
@@ -120,5 +120,5 @@ def test_absent_or_disabled_leaves_model_untouched(config):
 
 
 def test_disabled_section_is_still_validated():
-    with pytest.raises(sd.ShardnormConfigError, match=r"^shardnorm\.bucket_size_mb: "):
-        sd.apply(norm_model(0), {"shardnorm": {"enabled": False, "bucket_size_mb": 0}})
+    with pytest.raises(sd.ShardnormConfigError, match=r"^shardnorm\.bucket_cap_mb: "):
+        sd.apply(norm_model(0), {"shardnorm": {"enabled": False, "bucket_cap_mb": 0}})

@@ -77,8 +77,8 @@ def _sgd(parameters):
 
 
 def _run_case(rank, world_size, device, seed, stage, mpu):
-    import shardnorm.deepspeed as sd
-    from shardnorm.deepspeed.conversion import shardnorm_modules
+    import shardnorm.integrations.deepspeed as sd
+    from shardnorm.integrations.deepspeed_conversion import shardnorm_modules
 
     config = load_config(f"zero{stage}.json")
     config.pop("optimizer")

@@ -1,4 +1,4 @@
-"""ZeRO stages 1, 2, 3 under shardnorm.deepspeed.initialize train exactly like plain torch.
+"""ZeRO stages 1, 2, 3 under shardnorm.integrations.deepspeed.initialize train exactly like plain torch.
 
 One spawned 2-rank group runs every case (DeepSpeed start-up dominates the run time): 3 optimizer
 steps of gradient accumulation 2, fresh random data, loss and parameters within 1e-5 of the same
@@ -62,8 +62,8 @@ def _check_partitioning(name, zero, norms):
 
 
 def _run_case(rank, world_size, device, seed, name, file, zero, section, optimizer):
-    import shardnorm.deepspeed as sd
-    from shardnorm.deepspeed.conversion import shardnorm_modules
+    import shardnorm.integrations.deepspeed as sd
+    from shardnorm.integrations.deepspeed_conversion import shardnorm_modules
 
     config = _config(file, zero, section, optimizer)
     model = norm_model(seed).to(device)
@@ -113,8 +113,8 @@ def _low_precision_updates(rank, world_size, device, seed, precision, stage, sha
     DeepSpeed reduced, and at lr 1 they are large next to the bf16 rounding of the params."""
     import torch
 
-    import shardnorm.deepspeed as sd
-    from shardnorm.deepspeed.conversion import shardnorm_modules
+    import shardnorm.integrations.deepspeed as sd
+    from shardnorm.integrations.deepspeed_conversion import shardnorm_modules
 
     config = _config(f"zero{stage}.json", {}, {"enabled": shardnorm_on}, {})
     del config["optimizer"]

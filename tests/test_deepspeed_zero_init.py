@@ -1,6 +1,6 @@
 """ZeRO-3 the way Hugging Face Trainer builds it: the model is created under `deepspeed.zero.Init`
 (HfDeepSpeedConfig alive during `from_config`), so every norm weight is partitioned from birth
-(`shape == (0,)`, the real shape in `ds_shape`). `shardnorm.deepspeed.apply` must convert it anyway,
+(`shape == (0,)`, the real shape in `ds_shape`). `shardnorm.integrations.deepspeed.apply` must convert it anyway,
 and training through `deepspeed.initialize` must give the losses of the same model left unconverted,
 under the same config: Qwen3 (per-head q/k norms) at the default persistence threshold and at 1
 (norm weights partitioned), Gemma (scale 1 + weight) with `zero_centered_gamma` on, which must leave
@@ -63,8 +63,8 @@ def _build_under_zero_init(model_type: str, config: dict, seed: int):
 def _train(model_type, config, seed, rank, world_size, device):
     import torch
 
-    import shardnorm.deepspeed as sd
-    from shardnorm.deepspeed.conversion import shardnorm_modules
+    import shardnorm.integrations.deepspeed as sd
+    from shardnorm.integrations.deepspeed_conversion import shardnorm_modules
 
     model, hf_ds = _build_under_zero_init(model_type, config, seed)
     model = sd.apply(model, config)

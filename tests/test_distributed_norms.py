@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import shardnorm
-from shardnorm.distributed import SequenceParallelNorm, accumulate, attach_reducer
+from shardnorm.distributed import SequenceParallelNorm, attach_reducer
 
 pytestmark = pytest.mark.distributed
 
@@ -77,7 +77,7 @@ def _run_case(mesh, norm_name, placement, reducer_mode, seed):
         dist_in = [distribute_tensor(t, mesh, [placement]).requires_grad_() for t in inputs]
         ref_out = ref(*ref_in)
         last = step == MICRO_BATCHES - 1
-        with (accumulate(dist_model) if not last and reducer_mode else nullcontext()):
+        with (shardnorm.accumulate(dist_model) if not last and reducer_mode else nullcontext()):
             dist_out = dist_model(*dist_in)
             outs = dist_out if with_residual else (dist_out,)
             sum((o * distribute_tensor(g, mesh, [placement])).sum() for o, g in zip(outs, (dy, dz))
@@ -108,3 +108,33 @@ def _matrix(rank, world_size, seed):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dtensor_norms_match_single_process(world_size):
     spawn(_matrix, world_size, torch.seed())
+
+
+LARGE_MEAN_TOL = 1e-5
+
+
+def _large_mean_rows(rank, world_size, seed):
+    """Hidden-sharded LayerNorm of rows whose mean (1e4) is far from zero against their spread (1): E[x^2] -
+    mean^2 in fp32 loses the variance there. Output and every grad against a float64 single-process run."""
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    torch.manual_seed(seed)
+    shape = (3, 5, 21)  # hidden 21 over 2 ranks: uneven slices
+    x = torch.randn(shape) + 1e4 * (1 + 0.1 * torch.rand(shape[:-1] + (1,)))  # fp32 values, a mean per row
+    w, b, dy = torch.randn(shape[-1]), torch.randn(shape[-1]), torch.randn(shape)
+    ref = [t.double().requires_grad_() for t in (x, w, b)]
+    expected = torch.nn.functional.layer_norm(ref[0], shape[-1:], ref[1], ref[2], eps=1e-5)
+    (expected * dy.double()).sum().backward()
+
+    xd = distribute_tensor(x, mesh, [Shard(-1)]).requires_grad_()
+    wd, bd = (distribute_tensor(t, mesh, [Shard(0)]).requires_grad_() for t in (w, b))
+    y = shardnorm.layer_norm(xd, shape[-1:], wd, bd, eps=1e-5)
+    (y * distribute_tensor(dy, mesh, [Shard(-1)])).sum().full_tensor().backward()
+    assert y.dtype == torch.float32
+    for what, actual, reference in (("output", y, expected), ("x.grad", xd.grad, ref[0].grad),
+                                    ("weight.grad", wd.grad, ref[1].grad), ("bias.grad", bd.grad, ref[2].grad)):
+        err = rel_err(actual.full_tensor(), reference)
+        assert err <= LARGE_MEAN_TOL, f"rows of mean 1e4, std 1 (seed {seed}): {what} rel err {err:.2e}"
+
+
+def test_hidden_sharded_layer_norm_rows_with_a_large_mean():
+    spawn(_large_mean_rows, 2, torch.seed() % 2**31)

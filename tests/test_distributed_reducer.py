@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import parallelize_module
 
 import shardnorm
-from shardnorm.distributed import SequenceParallelNorm, attach_reducer, sequence_parallel_norm
+from shardnorm.distributed import SequenceParallelNorm, attach_reducer, process_group_sequence_parallel
 
 pytestmark = pytest.mark.distributed
 
@@ -164,7 +164,7 @@ def _process_group_mode(rank, world_size, seed):
         ref, model = _random_pair(seed)
         model.to(device)
         for norm in model.norms:
-            sequence_parallel_norm(norm, dist.group.WORLD)  # sequence dim 0: Megatron's [s, b, h]
+            process_group_sequence_parallel(norm, dist.group.WORLD)  # sequence dim 0: Megatron's [s, b, h]
         if with_reducer:
             attach_reducer(model)
         x, dy = torch.randn(8, 2, HIDDEN), torch.randn(8, 2, HIDDEN)
@@ -263,3 +263,32 @@ def _cases(rank, world_size, seed):
 
 def test_reducer_collectives_modes_and_errors():
     spawn(_cases, 2, torch.seed())
+
+
+def test_accumulate_and_finalize_leave_a_model_without_a_reducer_as_it_was():
+    """Looking the reducer up never creates one: on a model without shardnorm norms, and on one with norms
+    but no reducer attached, `shardnorm.accumulate` and `finalize_grads` add no reducer to the model and tag
+    no parameter; its grads are the plain sums over the micro-batches, as without them."""
+    from shardnorm.distributed import reducer_of
+
+    for make in (lambda: nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 4)), NormStack):
+        torch.manual_seed(0)
+        model, ref = make(), make()
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), ref.parameters()):
+                p.normal_()
+                r.copy_(p)
+        model_state = set(vars(model))
+        param_state = {n: set(vars(p)) for n, p in model.named_parameters()}
+        for mb in range(MICRO_BATCHES):
+            x = torch.randn(3, HIDDEN)
+            with shardnorm.accumulate(model) if mb < MICRO_BATCHES - 1 else nullcontext() as reducer:
+                assert reducer is None
+                model(x).square().sum().backward()
+            ref(x).square().sum().backward()
+        shardnorm.finalize_grads(model)
+        assert reducer_of(model) is None and set(vars(model)) == model_state, set(vars(model)) - model_state
+        for name, p in model.named_parameters():
+            assert set(vars(p)) == param_state[name], f"{name} gained {set(vars(p)) - param_state[name]}"
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad, r.grad) <= TOL, name

@@ -26,9 +26,11 @@ import shardnorm
 from parallel.bench_fsdp import AllReduceCounter
 from parallel.model import Block
 from parallel.parallelize import apply_tensor_parallel, materialize_output, parallelize
-from shardnorm.distributed.fsdp import (FSDPNormGradReducer, auto_wrap_policy, find_block_classes, no_sync,
-                                        load, norm_mixed_precision, pending_grads, save, shard_model)
+from shardnorm.distributed import reducer_of
 from shardnorm.distributed.fsdp_checkpoint import fsdp_params
+from shardnorm.distributed.fsdp_norm_grads import FSDPShardedGrads
+from shardnorm.fsdp import (auto_wrap_policy, find_block_classes, load, norm_mixed_precision, pending_grads, save,
+                            shard_model)
 
 pytestmark = pytest.mark.distributed
 MID_STEP = "refusing to checkpoint in the middle of gradient accumulation"
@@ -76,8 +78,8 @@ def _check_checkpoint(seed, mesh, device, dp_rank, path, build, uninterrupted) -
 
     # mid-accumulation: shardnorm's pending tp reduction, FSDP's no-sync grads would be lost
     (x, y), _ = rank_rows(batches[0], dp_rank, device)
-    if isinstance(getattr(fresh, "_shardnorm_reducer", None), FSDPNormGradReducer):
-        with shardnorm.accumulate(fresh):  # FSDP reduces over dp, the tp all-reduce waits
+    if isinstance(getattr(reducer_of(fresh), "source", None), FSDPShardedGrads):
+        with shardnorm.accumulate(fresh, fsdp_sync=True):  # FSDP reduces over dp, the tp all-reduce waits
             nn.functional.cross_entropy(fresh(x).flatten(0, 1), y.flatten()).backward()
         assert "shardnorm's norm-grad buffer" in pending_grads(fresh)
         with pytest.raises(RuntimeError, match=MID_STEP):
@@ -85,7 +87,7 @@ def _check_checkpoint(seed, mesh, device, dp_rank, path, build, uninterrupted) -
         shardnorm.finalize_grads(fresh)
         engine.optimizer.zero_grad(set_to_none=True)
         assert not pending_grads(fresh)
-    with no_sync(fresh):
+    with shardnorm.accumulate(fresh):  # neither FSDP nor shardnorm reduces
         nn.functional.cross_entropy(fresh(x).flatten(0, 1), y.flatten()).backward()
     assert pending_grads(fresh)
     with pytest.raises(RuntimeError, match=MID_STEP):
@@ -132,7 +134,7 @@ def _dp2(rank, world_size, seed, path):
     losses = train(engine, batches, rank, device)
     assert_matches("FSDP1 dp=2", losses, full_params(model), *ref)
     (x, y), _ = rank_rows(batches[0], rank, device)
-    with no_sync(model):
+    with shardnorm.accumulate(model):
         nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     with pytest.raises(RuntimeError, match=MID_STEP):
         save(f"{path}-fsdp1", model, engine.optimizer)
@@ -189,7 +191,7 @@ def _dp_tp2(rank, world_size, seed, path):
     model = _shard_main_job(seed, mesh, device)
     _check_fsdp2_units(model, ["layers.0", "layers.1"])
     reducer = model._shardnorm_reducer
-    assert isinstance(reducer, FSDPNormGradReducer) and len(reducer.params) == 5
+    assert isinstance(reducer.source, FSDPShardedGrads) and len(reducer.params) == 5
     assert all(p.sequence_parallel for n, p in model.named_parameters() if "norm" in n)
     losses = train(TorchEngine(model, TRAIN, norm_reducer=True), batches, dp_rank, device)
     assert_matches("FSDP2 × TP", losses, full_params(model), *ref)

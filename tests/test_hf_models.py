@@ -18,7 +18,7 @@ import torch
 import shardnorm
 from conftest import rel_err
 from hf_tiny import ARCHITECTURES, HIDDEN, batch, tiny_model
-from shardnorm.convert import NormWrapperError, convert_module, wrappers_of
+from shardnorm.conversion import NormWrapperError, convert_module, wrappers_of
 from shardnorm.norm_families import FLOAT32_SCALE_EPS, KNOWN, LLAMA, lookup
 
 transformers = pytest.importorskip("transformers")
@@ -267,8 +267,8 @@ def test_dtensor_parameters_are_refused():
 def test_deepspeed_zero_centered_gamma_keeps_gemma_checkpoints_and_warns_for_llama():
     """The DeepSpeed section's `zero_centered_gamma` stores weight - 1. Gemma norms already scale by 1 + weight:
     left as they are (state_dict unchanged, no warning). A Llama's weights are shifted: warned about."""
-    from shardnorm.deepspeed.config import parse_section
-    from shardnorm.deepspeed.conversion import convert_norms
+    from shardnorm.integrations.deepspeed_config import parse_section
+    from shardnorm.integrations.deepspeed_conversion import convert_norms
 
     section = parse_section({"zero_centered_gamma": True})
     gemma = tiny_model("gemma", seed=7)

@@ -1,6 +1,6 @@
 """shardnorm: fused Triton LayerNorm / RMSNorm for distributed training."""
 
-from .convert import convert
+from .conversion import convert
 from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .modules import LayerNorm, RMSNorm
 
@@ -11,14 +11,13 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     """The distributed pieces load lazily (torch.distributed.tensor takes ~1 s to import):
-    `shardnorm.accumulate` / `finalize_grads`, and the `distributed`, `fsdp`, `deepspeed` modules."""
+    `shardnorm.accumulate` / `finalize_grads`, and the `distributed` and `fsdp` modules."""
     if name in ("accumulate", "finalize_grads"):
         from .distributed import accumulation
 
         return getattr(accumulation, name)
-    if name in ("distributed", "fsdp", "deepspeed"):
+    if name in ("distributed", "fsdp"):
         import importlib
 
-        # `shardnorm.fsdp` is the public name of `shardnorm.distributed.fsdp` (the same module object)
-        return importlib.import_module(".distributed.fsdp" if name == "fsdp" else f".{name}", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'shardnorm' has no attribute {name!r}")

@@ -1,15 +1,17 @@
-"""shardnorm under tensor/sequence parallelism: DTensor norms, the norm-grad reducer, parallel styles."""
+"""shardnorm under tensor/sequence parallelism: DTensor norms, the norm-grad reducer, parallel styles.
 
-from shardnorm.distributed.accumulation import accumulate, attach_reducer, finalize_grads, reducer_of
-from shardnorm.distributed.parallel_style import SequenceParallelNorm, sequence_parallel_norm
+`shardnorm.accumulate` and `shardnorm.finalize_grads` (the package root) drive the reducer `attach_reducer` gives
+a model.
+"""
+
+from shardnorm.distributed.accumulation import attach_reducer, reducer_of
+from shardnorm.distributed.parallel_style import SequenceParallelNorm, process_group_sequence_parallel
 from shardnorm.distributed.reducer import NormGradReducer
 
 __all__ = [
     "NormGradReducer",
     "SequenceParallelNorm",
-    "accumulate",
     "attach_reducer",
-    "finalize_grads",
+    "process_group_sequence_parallel",
     "reducer_of",
-    "sequence_parallel_norm",
 ]

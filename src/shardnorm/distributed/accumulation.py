@@ -1,58 +1,84 @@
-"""Model-level control of norm-grad reduction: attach a reducer, accumulate micro-batches, finalize."""
+"""Model-level control of norm-grad reduction: one reducer per model, micro-batch accumulation, finalize.
 
-from contextlib import contextmanager
+`attach_reducer` is the one constructor: every grad source (the norms' backward, FSDP2's reduce-scatter
+output, a framework hook's partial sums) gets its `NormGradReducer` through it, stored on the model, so
+`accumulate` and `finalize_grads` find it whoever built it. Looking the reducer up never creates one.
+"""
+
+from contextlib import ExitStack, contextmanager
 
 from torch import nn
 
-from shardnorm.distributed.reducer import NormGradReducer, ReduceMode
+from shardnorm.distributed.grad_sources import GradSource
+from shardnorm.distributed.reducer import DEFAULT_BUCKET_CAP_MB, NormGradReducer, ReduceMode
 
 _ATTR = "_shardnorm_reducer"
 
 
-def attach_reducer(model: nn.Module, *, bucket_cap_mb: float = 1.0,
-                   reduce: ReduceMode = "bucketed") -> NormGradReducer:
-    """Give `model` one reducer for all its sequence-parallel norm grads; call after parallelizing it.
+def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
+                   bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, reduce: ReduceMode = "bucketed") -> NormGradReducer:
+    """Give `model` its one reducer for the norm grads that are partial sums over ranks; after parallelizing.
 
+    `source`: where the partial sums come from (default: the norms' own backward, for sequence-parallel
+    norms; `shard_model` passes FSDP2's sharded grads, the DeepSpeed AutoTP adapter a hook's partial sums).
     Without a reducer the grads are still right, reduced the way torch does it: DTensor params get
     `Partial` grads (one all-reduce per parameter when redistributed), plain Megatron-style params keep
     their local partial sums for Megatron's `finalize_model_grads`.
     """
-    old = getattr(model, _ATTR, None)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shardnorm: attach_reducer needs the model (a torch.nn.Module), got {type(model).__name__}")
+    old = reducer_of(model)
     if old is not None and old.has_pending:
         raise RuntimeError("shardnorm: the model's reducer holds accumulated grads; call "
                            "shardnorm.finalize_grads(model) before attaching a new reducer")
-    reducer = NormGradReducer(bucket_cap_mb=bucket_cap_mb, reduce=reduce)
+    reducer = NormGradReducer(bucket_cap_mb=bucket_cap_mb, reduce=reduce, source=source)
     setattr(model, _ATTR, reducer)
     reducer.bind(model.parameters())
     return reducer
 
 
-def reducer_of(model: nn.Module) -> NormGradReducer:
-    """The model's reducer (attached with defaults on first use), bound to the model's current params."""
-    reducer = getattr(model, _ATTR, None)
-    if reducer is None:
-        return attach_reducer(model)
-    reducer.bind(model.parameters())
-    return reducer
+def reducer_of(model: nn.Module) -> NormGradReducer | None:
+    """The reducer `attach_reducer` gave `model`, or None. Never creates one."""
+    return getattr(model, _ATTR, None)
+
+
+def _skip_fsdp_reduction(model: nn.Module, stack: ExitStack) -> None:
+    """Turn off FSDP's gradient reduction for the backward passes run before `stack` closes."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        stack.callback(model.set_requires_gradient_sync, True)
+    elif isinstance(model, FullyShardedDataParallel):
+        stack.enter_context(model.no_sync())
 
 
 @contextmanager
-def accumulate(model: nn.Module):
-    """Backward passes run inside this context add to the norm-grad buffer without reducing it.
+def accumulate(model: nn.Module, *, fsdp_sync: bool = False):
+    """Backward passes run inside this context accumulate grads without reducing them across ranks.
 
-    The first backward outside it (or `finalize_grads`) reduces everything accumulated, once.
+    The first backward outside it (or `finalize_grads`) reduces everything accumulated, each reduction
+    once. Covers the model's norm-grad reducer and FSDP (FSDP2 `set_requires_gradient_sync`, FSDP1
+    `no_sync`) when `model` is FSDP-wrapped. `fsdp_sync=True` lets FSDP reduce-scatter in every
+    backward still (its sharded grads use less memory); the norm grads' tensor-parallel reduction waits
+    either way. A model with neither a reducer nor FSDP has nothing to hold back: a no-op, which adds
+    no state to it. Yields the model's reducer (None without one).
     """
     reducer = reducer_of(model)
-    previous, reducer.accumulating = reducer.accumulating, True
-    try:
+    with ExitStack() as stack:
+        if not fsdp_sync:
+            _skip_fsdp_reduction(model, stack)
+        if reducer is not None:
+            stack.callback(setattr, reducer, "accumulating", reducer.accumulating)
+            reducer.accumulating = True
         yield reducer
-    finally:
-        reducer.accumulating = previous
 
 
 def finalize_grads(model: nn.Module) -> None:
     """Reduce the accumulated norm grads now and write `.grad` (Megatron-style explicit control).
 
-    A no-op when the last backward already did it.
+    A no-op when the last backward already did it, or when the model has no reducer.
     """
-    reducer_of(model).finalize()
+    reducer = reducer_of(model)
+    if reducer is not None:
+        reducer.finalize()

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 
 from shardnorm._torch_compat import fsdp_param_fqn, fsdp_param_holds_unreduced_grad, fsdp_params
-from shardnorm.distributed.accumulation import _ATTR as _REDUCER_ATTR
+from shardnorm.distributed.accumulation import reducer_of
 
 
 def _nonzero(grad) -> bool:
@@ -33,7 +33,7 @@ def pending_grads(model: nn.Module) -> list[str]:
         for fsdp_param in fsdp_params(module):
             if fsdp_param_holds_unreduced_grad(fsdp_param):
                 pending.append(f"{fsdp_param_fqn(fsdp_param)} (FSDP no-sync grad)")
-    reducer = getattr(model, _REDUCER_ATTR, None)
+    reducer = reducer_of(model)
     if reducer is not None and reducer.has_pending:
         pending.append("shardnorm's norm-grad buffer")
     return pending

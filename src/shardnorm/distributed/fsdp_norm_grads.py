@@ -27,13 +27,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardnorm.distributed.grad_sources import GradAttributeSource, local_grad
-from shardnorm.distributed.reducer import NormGradReducer
 
 _TRACKED = "_shardnorm_fsdp_reducer"
 
 
 class FSDPShardedGrads(GradAttributeSource):
     """FSDP2's reduce-scatter output in the sharded norm params' `.grad`, still partial over `group` (tp).
+
+    `shard_model` attaches the model's reducer with this source (`attach_reducer(model, source=...)`);
+    each norm's forward pre-hook hands it FSDP's unsharded params (`track`).
 
     Unreduced: what FSDP added since the step began (a snapshot of `.grad` taken at the first backward
     of the step; a post-accumulate hook on each sharded param says FSDP wrote to it).
@@ -94,20 +96,3 @@ class FSDPShardedGrads(GradAttributeSource):
     def _forget(self) -> None:
         self._dirty.clear()
         self._before.clear()
-
-
-class FSDPNormGradReducer(NormGradReducer):
-    """The model's norm-grad reducer under `shard_model`: the one `NormGradReducer`, fed by FSDP's
-    reduce-scatter output (what `shardnorm.accumulate` / `finalize_grads` / `shardnorm.fsdp.no_sync` drive).
-
-    `params`: the FSDP-sharded norm parameters whose grads are partial over `group` (the tp group).
-    Inside `shardnorm.accumulate(model)` the tp all-reduce waits for a later backward or
-    `finalize_grads`; the dp reduction is FSDP's to skip (`shardnorm.fsdp.no_sync` does both).
-    """
-
-    def __init__(self, params: list[nn.Parameter], group, *, bucket_cap_mb: float = 1.0):
-        super().__init__(bucket_cap_mb=bucket_cap_mb, source=FSDPShardedGrads(params, group))
-
-    def track(self, param: nn.Parameter) -> None:
-        """See `FSDPShardedGrads.track` (called from each norm's forward pre-hook)."""
-        self.source.track(param)

@@ -1,9 +1,15 @@
 """Norm over a hidden dim split across ranks (``Shard(-1)``, e.g. a QK-norm over tensor-parallel heads).
 
-Each rank holds a slice of every row. Forward all-reduces per-row fp32 partial sums (sum and sum of squares;
-only the latter for RMS) to get mean/rstd; backward all-reduces the two per-row sums that dx needs. The
-activation itself never moves. Weight/bias are sharded like the hidden dim, so their grads are complete
-for the local slice.
+Each rank holds a slice of every row; the activation itself never moves, and weight/bias are sharded like the
+hidden dim, so their grads are complete for the local slice.
+
+RMSNorm needs the sum of squares only: one all-reduce of a per-row fp32 sum. LayerNorm's variance is not taken
+as E[x^2] - mean^2 (for a row whose mean is large against its spread both terms are huge and nearly equal, and
+fp32 loses the variance entirely): each rank computes (count, mean, M2) of its slice, shifted by its own slice
+mean so that the deviations are exact, all ranks gather those (one collective), and every rank merges them the
+same way, in rank order (Chan et al.'s parallel algorithm, as the kernels do within a row). The row's mean is
+kept as (local shift, offset) and never formed in fp32, where it would round to a fraction of the spread.
+Backward all-reduces the two per-row sums that dx needs.
 """
 
 import torch
@@ -15,8 +21,39 @@ def _scale(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
     return w + 1.0 if zero_centered else w
 
 
-def _normalized(xf, mean, rstd):
-    return (xf if mean is None else xf - mean) * rstd
+def _normalized(xf, shift, offset, rstd):
+    """(x - mean) * rstd with mean = shift + offset (None for RMSNorm: x * rstd)."""
+    return xf * rstd if shift is None else ((xf - shift) - offset) * rstd
+
+
+def _row_moments(xf: torch.Tensor, group):
+    """This rank's (shift, offset, M2 / N) per row: mean = shift + offset, variance = M2 / N over the whole row.
+
+    shift is this rank's slice mean (rounded to fp32), offset the whole row's mean minus it; both, and the
+    variance, are accurate where the mean is far from zero against the spread."""
+    n_local = xf.shape[-1]
+    if not xf.shape[0]:  # no rows here, nor on the group's other ranks (they hold the same rows)
+        shift = xf.new_zeros(0, 1)
+        return shift, shift, shift
+    if n_local:
+        shift = xf.mean(-1, keepdim=True)
+        d = xf - shift  # exact where x is within a factor 2 of shift (the large-mean case)
+        e = d.mean(-1, keepdim=True)  # what rounding shift to fp32 left out of the slice mean
+        m2 = (d - e).square().sum(-1, keepdim=True)
+    else:  # a rank with no columns of these rows (an uneven shard)
+        shift = e = m2 = xf.new_zeros(xf.shape[0], 1)
+    local = torch.cat([shift, e, m2, torch.full_like(m2, n_local)], dim=-1)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    shifts, es, m2s, counts = torch.stack(parts).unbind(-1)  # [ranks, M] each
+    ref = int((counts[:, 0] > 0).nonzero()[0])  # the first rank with columns: the same on every rank
+    # means relative to the reference rank's shift: small differences of nearby fp32 values, exact
+    means = (shifts - shifts[ref]) + es
+    total = counts.sum(0)
+    mean = (counts * means).sum(0) / total
+    m2_total = (m2s + counts * (means - mean).square()).sum(0)
+    offset = (mean - (shift[:, 0] - shifts[ref])).unsqueeze(-1)  # the row mean minus this rank's shift
+    return shift, offset, (m2_total / total).unsqueeze(-1)
 
 
 class HiddenShardedNorm(torch.autograd.Function):
@@ -25,35 +62,35 @@ class HiddenShardedNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, rms: bool, zero_centered: bool, group, n: int):
         xf = x.float()
-        sums = xf.square().sum(-1, keepdim=True)
-        if not rms:
-            sums = torch.cat([xf.sum(-1, keepdim=True), sums], dim=-1)
-        dist.all_reduce(sums, group=group)
-        mean = None if rms else sums[:, :1] / n
-        mean_sq = sums[:, -1:] / n
-        var = mean_sq if rms else (mean_sq - mean.square()).clamp_min(0.0)
+        if rms:
+            sums = xf.square().sum(-1, keepdim=True)
+            dist.all_reduce(sums, group=group)
+            shift = offset = None
+            var = sums / n
+        else:
+            shift, offset, var = _row_moments(xf, group)
         rstd = torch.rsqrt(var + eps)
-        y = _normalized(xf, mean, rstd)
+        y = _normalized(xf, shift, offset, rstd)
         if weight is not None:
             y = y * _scale(weight, zero_centered)
         if bias is not None:
             y = y + bias.float()
-        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.save_for_backward(x, weight, shift, offset, rstd)
         ctx.zero_centered, ctx.group, ctx.n, ctx.has_bias = zero_centered, group, n, bias is not None
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, shift, offset, rstd = ctx.saved_tensors
         dyf = dy.float()
-        xhat = _normalized(x.float(), mean, rstd)
+        xhat = _normalized(x.float(), shift, offset, rstd)
         g = dyf if weight is None else dyf * _scale(weight, ctx.zero_centered)
         sums = (g * xhat).sum(-1, keepdim=True)
-        if mean is not None:
+        if shift is not None:
             sums = torch.cat([sums, g.sum(-1, keepdim=True)], dim=-1)
         dist.all_reduce(sums, group=ctx.group)
         dx = g - xhat * (sums[:, :1] / ctx.n)
-        if mean is not None:
+        if shift is not None:
             dx = dx - sums[:, 1:] / ctx.n
         dx = (dx * rstd).to(x.dtype)
         dw = (dyf * xhat).sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None

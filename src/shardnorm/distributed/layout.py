@@ -86,7 +86,7 @@ def _check_param(name: str, p, x: DTensor, layout: NormLayout) -> None:
             f"shardnorm: {name} is a plain torch.Tensor but x is a DTensor with placements "
             f"{tuple(x.placements)}; make {name} a DTensor with placements {layout.param_placements} "
             f"(e.g. with shardnorm.distributed.SequenceParallelNorm) or use the process-group mode "
-            f"shardnorm.distributed.sequence_parallel_norm(module, group)"
+            f"shardnorm.distributed.process_group_sequence_parallel(module, group)"
         )
 
 

@@ -1,5 +1,7 @@
-"""Sequence parallelism for shardnorm norms: a ParallelStyle for DTensor plans, a process-group mode for
-Megatron-style code.
+"""Sequence parallelism for shardnorm norms, two ways in: `SequenceParallelNorm`, a ParallelStyle for
+`parallelize_module` plans (DTensor params and activations over a DeviceMesh), and
+`process_group_sequence_parallel(module, group)`, applied to one module for Megatron-style code (plain
+tensors in and out, plain params, a ProcessGroup).
 
 Both leave the activation sharded on the sequence dim, run the kernel on the local tokens, and mark
 weight/bias `sequence_parallel = True` (Megatron-Core's flag for "grads are partial over the tp group").
@@ -87,7 +89,8 @@ class _ProcessGroupSequenceParallelNorm(SequenceParallelNorm):
             param.sequence_parallel = True
 
 
-def sequence_parallel_norm(module: nn.Module, group: dist.ProcessGroup, *, sequence_dim: int = 0) -> nn.Module:
+def process_group_sequence_parallel(module: nn.Module, group: dist.ProcessGroup, *,
+                                    sequence_dim: int = 0) -> nn.Module:
     """Megatron-style sequence parallelism for a shardnorm norm, without DTensors in user code.
 
     `module` takes and returns this rank's sequence shard as plain tensors (Megatron's [s, b, h] layout by

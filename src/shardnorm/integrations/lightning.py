@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 import shardnorm
-from shardnorm.distributed.fsdp import shard_model
+from shardnorm.fsdp import shard_model
 
 DATA_DIM, TP_DIM = "data_parallel", "tensor_parallel"  # the dims Fabric's ModelParallelStrategy names
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import shardnorm
 from shardnorm.distributed import SequenceParallelNorm
-from shardnorm.distributed.fsdp import install_norm_grad_reducer
+from shardnorm.fsdp import install_norm_grad_reducer
 
 SUPPORTED_VERSIONS = ("0.3.",)
 if not torchtitan.__version__.startswith(SUPPORTED_VERSIONS):  # pragma: no cover
@@ -155,7 +155,8 @@ class ShardnormTrainer(Trainer):
     def forward_backward_step(self, **kwargs):
         index, self._shardnorm_microbatch = self._shardnorm_microbatch, self._shardnorm_microbatch + 1
         last = index == self.gradient_accumulation_steps - 1
-        contexts = [nullcontext() if last else shardnorm.accumulate(m) for m in self.model_parts]
+        # FSDP still reduce-scatters each micro-batch (torchtitan's memory profile); the tp reduction waits
+        contexts = [nullcontext() if last else shardnorm.accumulate(m, fsdp_sync=True) for m in self.model_parts]
         for c in contexts:
             c.__enter__()
         try:

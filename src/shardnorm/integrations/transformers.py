@@ -14,10 +14,12 @@ go to the model's reducer: summed over the tensor-parallel group once per optimi
 Needs the `hf` extra: pip install 'shardnorm[hf]'.
 """
 
+import functools
 import re
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
 
 try:
     import transformers
@@ -28,8 +30,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "pip install 'shardnorm[hf]'") from e
 
 import shardnorm
-from shardnorm.distributed import attach_reducer, reducer_of, sequence_parallel_norm
-from shardnorm.distributed.parallel_style import SequenceParallelNorm
+from shardnorm._torch_compat import has_post_accumulate_grad_hooks, remove_module_backward_hooks
+from shardnorm.distributed import (SequenceParallelNorm, attach_reducer, process_group_sequence_parallel,
+                                   reducer_of)
 from shardnorm.modules import LayerNorm, RMSNorm
 
 KNOWN_TRANSFORMERS = ((5, 17), (5, 23))  # the versions whose tensor-parallel styles this adapter reads
@@ -105,8 +108,8 @@ def _apply_norm_mode(module: nn.Module, kind: str, mesh) -> nn.Module:
     """Put a shardnorm norm in the mode its tensor-parallel style asks for (grads to the model's reducer)."""
     if kind == "replicated":
         # rows (tokens x local heads) are all this rank's: any leading dim serves as the shard dim
-        return sequence_parallel_norm(module, mesh.get_group(), sequence_dim=0)
-    return SequenceParallelNorm(sequence_dim=1, use_local_output=True)._apply(module, mesh)
+        return process_group_sequence_parallel(module, mesh.get_group(), sequence_dim=0)
+    return parallelize_module(module, mesh, SequenceParallelNorm(sequence_dim=1, use_local_output=True))
 
 
 def _wildcard(name: str) -> str:
@@ -131,6 +134,13 @@ def _tp_mesh(model: nn.Module):
                      f"(transformers=={transformers.__version__})")
 
 
+def _is_transformers_hook(hook) -> bool:
+    """Whether `hook` is transformers' own (defined in its package), seen through functools.partial."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return (getattr(hook, "__module__", None) or "").split(".")[0] == "transformers"
+
+
 def _take_tp_norms(model: nn.Module) -> dict:
     """{module name: kind} of the norms that carry a tensor-parallel norm style, with transformers'
     wrappers taken off so `convert` sees a plain norm. Any other style on a norm raises (naming it)."""
@@ -150,15 +160,16 @@ def _take_tp_norms(model: nn.Module) -> dict:
             raise ValueError(f"shardnorm: tp_plan style {style!r} on norm {name!r} is not one shardnorm can honour; "
                              f"norms take one of {sorted(KIND_OF_STYLE)}")
         for pname, param in module.named_parameters(recurse=False):
-            if getattr(param, "_post_accumulate_grad_hooks", None):
+            if has_post_accumulate_grad_hooks(param):
                 raise RuntimeError(f"shardnorm: {name}.{pname} already has transformers' per-micro-batch grad "
                                    f"all-reduce hook (the model ran a forward); call convert_model right after "
                                    f"from_pretrained")
             if isinstance(param, torch.distributed.tensor.DTensor):  # transformers' sequence_parallel replicates
                 module.register_parameter(pname, nn.Parameter(param.to_local(), requires_grad=param.requires_grad))
         module.__dict__.pop("forward", None)  # the style's per-instance wrapper
-        # older transformers (5.17-5.2x) all-reduce these grads from a module backward hook instead
-        module._backward_hooks.clear()
+        # older transformers (5.17-5.2x) all-reduce these grads from a module backward hook instead: that
+        # one goes, any other backward hook stays (conversion then refuses to drop it, naming it)
+        remove_module_backward_hooks(module, installed_by=_is_transformers_hook)
         taken[name] = kind
     return taken
 
@@ -169,7 +180,7 @@ def _take_tp_norms(model: nn.Module) -> dict:
 def _convert_norms(model: nn.Module, deepspeed_config) -> nn.Module:
     """The one place that converts: per the DeepSpeed "shardnorm" section when the run has one."""
     if deepspeed_config is not None and "shardnorm" in deepspeed_config:
-        from shardnorm.deepspeed import apply  # the documented hook for code that calls deepspeed.initialize
+        from shardnorm.integrations.deepspeed import apply  # for code that calls deepspeed.initialize itself
 
         return apply(model, deepspeed_config)
     return shardnorm.convert(model)[0]
@@ -186,7 +197,7 @@ def convert_model(model: nn.Module, *, accelerator=None, deepspeed_config: dict 
     """Convert `model`'s norms in place (same Parameters) before the framework wraps it; returns it.
 
     - DeepSpeed: the config's "shardnorm" section (from `accelerator` or `deepspeed_config`) decides what
-      converts, exactly as `shardnorm.deepspeed.apply`; ZeRO-3 models built under `zero.Init` included.
+      converts, exactly as `shardnorm.integrations.deepspeed.apply`; ZeRO-3 models built under `zero.Init` included.
     - `tp_plan` models: norms with `replicated_with_grad_allreduce` / `sequence_parallel` (or the shardnorm
       styles) become shardnorm norms whose grads go to one reducer (fp32 buckets, once per optimizer step);
       use `bind_accumulation` (or `shardnorm.accumulate` / `finalize_grads` in your own loop).
@@ -221,12 +232,13 @@ def bind_accumulation(model: nn.Module, accelerator):
     true (the Trainer's and `accelerator.accumulate`'s last micro-batch), before clipping reads them.
 
     A forward pre-hook sets the reducer's accumulate flag from `sync_gradients`, which both set before each
-    micro-batch's forward. Returns the hook handle.
+    micro-batch's forward. Returns the hook handle. A model without a reducer (no tensor-parallel norms)
+    has nothing to follow; the hook looks the reducer up at each forward, so one attached later counts.
     """
-    reducer = reducer_of(model)
 
     def follow_sync_gradients(module, args):
-        if torch.is_grad_enabled():
+        reducer = reducer_of(model)
+        if reducer is not None and torch.is_grad_enabled():
             reducer.accumulating = not accelerator.sync_gradients
 
     return model.register_forward_pre_hook(follow_sync_gradients)
@@ -238,6 +250,9 @@ class ShardnormCallback(TrainerCallback):
 
     def __init__(self, model: nn.Module):
         self.reducer = reducer_of(model)
+        if self.reducer is None:
+            raise ValueError("shardnorm: ShardnormCallback needs a model with a norm-grad reducer (convert_model "
+                             "attaches one to a tp_plan model with tensor-parallel norms)")
         self.collectives_per_step = None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):

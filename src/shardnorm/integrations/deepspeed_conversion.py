@@ -5,9 +5,9 @@ import warnings
 
 import torch
 
-from ..convert import convert
+from ..conversion import convert
 from ..modules import LayerNorm, RMSNorm
-from .config import ShardnormSection
+from .deepspeed_config import ShardnormSection
 
 
 def shardnorm_modules(model: torch.nn.Module) -> list:

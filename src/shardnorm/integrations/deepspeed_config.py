@@ -33,18 +33,19 @@ class ShardnormSection:
         replicated-with-grad-all-reduce (q/k norms over tensor-parallel heads): "step" = shardnorm,
         coalesced into fp32 buckets, once per optimizer step; "deepspeed" = DeepSpeed's own hook,
         one all-reduce per parameter per micro-batch.
-    bucket_size_mb: size of one such fp32 bucket.
+    bucket_cap_mb: size of one such fp32 bucket (the name and default of every shardnorm reducer:
+        `shardnorm.distributed.reducer.DEFAULT_BUCKET_CAP_MB`).
     """
 
     enabled: bool = True
     replace: Optional[Tuple[str, ...]] = None
     zero_centered_gamma: bool = False
     grad_reduce: str = "step"
-    bucket_size_mb: float = 25.0
+    bucket_cap_mb: float = 1.0
 
     @property
     def bucket_numel(self) -> int:
-        return max(1, int(self.bucket_size_mb * 2**20) // 4)
+        return max(1, int(self.bucket_cap_mb * 2**20) // 4)
 
 
 def _key(name: str) -> str:
@@ -77,9 +78,9 @@ def _grad_reduce(value: Any) -> str:
     return value
 
 
-def _bucket_size_mb(value: Any) -> float:
+def _bucket_cap_mb(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise ShardnormConfigError(_key("bucket_size_mb"), f"expected a finite number > 0, got {value!r}")
+        raise ShardnormConfigError(_key("bucket_cap_mb"), f"expected a finite number > 0, got {value!r}")
     return float(value)
 
 
@@ -88,7 +89,7 @@ _PARSERS = {
     "replace": _replace,
     "zero_centered_gamma": lambda v: _bool("zero_centered_gamma", v),
     "grad_reduce": _grad_reduce,
-    "bucket_size_mb": _bucket_size_mb,
+    "bucket_cap_mb": _bucket_cap_mb,
 }
 
 

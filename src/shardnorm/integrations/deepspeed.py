@@ -1,19 +1,28 @@
-"""`initialize` and `apply`: the two ways into DeepSpeed with a "shardnorm" config section."""
+"""DeepSpeed adapter: a "shardnorm" config section, norm conversion, ZeRO/Ulysses/AutoTP support.
+
+`initialize` and `apply` are the two ways into DeepSpeed with a "shardnorm" config section. Importing this
+works without DeepSpeed installed; `initialize` says so when it is called. The section's keys are validated
+in `deepspeed_config.py`; AutoTP's q/k-norm all-reduces are taken over in `deepspeed_autotp.py` (the one
+module that reads DeepSpeed internals).
+"""
 
 from typing import Any
 
 import torch
 
-from .autotp import own_marked_norm_grads
-from .config import ShardnormConfigError, load_config, read_section
-from .conversion import convert_norms
+from .deepspeed_autotp import own_marked_norm_grads
+from .deepspeed_config import ShardnormConfigError, ShardnormSection, load_config, parse_section, read_section
+from .deepspeed_conversion import convert_norms
+
+__all__ = ["ShardnormConfigError", "ShardnormSection", "apply", "initialize", "parse_section", "read_section"]
 
 
 def _import_deepspeed():
     try:
         import deepspeed
     except ImportError as e:
-        raise ImportError("shardnorm.deepspeed.initialize needs DeepSpeed: pip install 'shardnorm[deepspeed]'") from e
+        raise ImportError("shardnorm.integrations.deepspeed.initialize needs DeepSpeed: "
+                          "pip install 'shardnorm[deepspeed]'") from e
     return deepspeed
 
 
@@ -23,7 +32,7 @@ def apply(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     For code that calls `deepspeed.initialize` itself (Hugging Face Trainer, Accelerate). Under
     ZeRO 1/2/3 and Ulysses nothing else is needed: DeepSpeed reduces norm grads like any other. The
     one thing `apply` cannot do is own AutoTP's q/k-norm all-reduces (that needs the engine), so
-    there it asks for `shardnorm.deepspeed.initialize` or `"grad_reduce": "deepspeed"`.
+    there it asks for `shardnorm.integrations.deepspeed.initialize` or `"grad_reduce": "deepspeed"`.
     """
     ds_config = load_config(config)
     section = read_section(ds_config)
@@ -32,8 +41,9 @@ def apply(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     model, _ = convert_norms(model, section)
     if own_marked_norm_grads(model, ds_config, section) is not None:
         raise ShardnormConfigError(
-            "shardnorm.grad_reduce", '"step" under AutoTP needs shardnorm.deepspeed.initialize (it hooks the '
-            'engine); with apply() set "grad_reduce": "deepspeed" to keep DeepSpeed\'s per-parameter all-reduce')
+            "shardnorm.grad_reduce", '"step" under AutoTP needs shardnorm.integrations.deepspeed.initialize (it '
+            'hooks the engine); with apply() set "grad_reduce": "deepspeed" to keep DeepSpeed\'s per-parameter '
+            'all-reduce')
     return model
 
 
@@ -45,7 +55,7 @@ def initialize(model: torch.nn.Module = None, config: Any = None, **kwargs):
     """
     deepspeed = _import_deepspeed()
     if model is None or config is None:
-        raise TypeError("shardnorm.deepspeed.initialize needs model= and config=")
+        raise TypeError("shardnorm.integrations.deepspeed.initialize needs model= and config=")
     ds_config = load_config(config)
     section = read_section(ds_config)
     reducer = None

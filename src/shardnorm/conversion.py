@@ -20,16 +20,11 @@ from typing import Iterable, Optional
 
 import torch
 
+from ._torch_compat import module_hooks
 from .modules import LayerNorm, RMSNorm
 from .norm_families import Extra, NormFamily, lookup, mismatch
 
 DEFAULT_CLASSES = None  # every class shardnorm knows (the old ("LayerNorm", "RMSNorm", "*RMSNorm") is a subset)
-
-_MODULE_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
-                 ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"),
-                 ("_state_dict_pre_hooks", "state_dict pre-hook"), ("_state_dict_hooks", "state_dict hook"),
-                 ("_load_state_dict_pre_hooks", "load_state_dict pre-hook"),
-                 ("_load_state_dict_post_hooks", "load_state_dict post-hook"))
 
 
 class NormWrapperError(ValueError):
@@ -40,7 +35,7 @@ class NormWrapperError(ValueError):
         super().__init__(
             f"shardnorm.convert: {name or 'the model'} ({type(module).__name__}) carries {'; '.join(wrappers)}, "
             "which the new module would drop. Convert before adding them (e.g. before tensor parallelism or "
-            "deepspeed.initialize), or remove them, convert with shardnorm.convert.convert_module, and install "
+            "deepspeed.initialize), or remove them, convert with shardnorm.conversion.convert_module, and install "
             "their equivalent on the new module (Hugging Face tp_plan: shardnorm.integrations.transformers).")
 
 
@@ -81,10 +76,9 @@ def wrappers_of(module: torch.nn.Module) -> list:
     found = []
     if "forward" in module.__dict__:
         found.append(f"a per-instance forward ({_hook_name(module.__dict__['forward'])})")
-    for attr, what in _MODULE_HOOKS:
-        found += [f"a {what} ({_hook_name(h)})" for h in (getattr(module, attr, None) or {}).values()]
-    for name, p in module._parameters.items():
-        if p is not None and any(c.__name__ == "DTensor" for c in type(p).__mro__):
+    found += [f"a {what} ({_hook_name(h)})" for what, h in module_hooks(module)]
+    for name, p in module.named_parameters(recurse=False):
+        if any(c.__name__ == "DTensor" for c in type(p).__mro__):
             found.append(f"a DTensor parameter {name!r} (placements {tuple(p.placements)})")
     return found
 
@@ -146,7 +140,7 @@ def convert_module(module: torch.nn.Module, extra: Optional[Extra] = None, name:
 
 
 def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_CLASSES, *,
-            extra: Optional[Extra] = None, warn: bool = True) -> ConvertResult:
+            extra: Optional[Extra] = None, warn: bool = True, keep_output: bool = True) -> ConvertResult:
     """Replace the norms of `model` (and `model` itself if it is one). Returns `ConvertResult`:
     `model, count = convert(model)`, with `.converted` and `.skipped` for the details.
 
@@ -154,6 +148,8 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_C
         default: every class shardnorm knows. Never widens the table.
     extra: `{cls or class name: NormFamily}` for your own norm classes (see shardnorm.norm_families).
     warn: warn once, listing the norm-like modules left alone and why.
+    keep_output: False: every shardnorm norm of the result (converted here or before) recomputes its output
+        in backward instead of keeping it (`shardnorm.output_recompute`).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"shardnorm.convert: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -183,6 +179,10 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_C
                 new = visit(f"{parent_name}.{child_name}" if parent_name else child_name, child)
                 if new is not None:
                     setattr(parent, child_name, new)
+    if not keep_output:
+        for module in model.modules():
+            if isinstance(module, (LayerNorm, RMSNorm)):
+                module.keep_output = False
     if warn:
         _warn(model, converted, skipped)
     return ConvertResult(model, len(converted), converted, skipped)

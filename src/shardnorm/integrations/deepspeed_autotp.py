@@ -9,9 +9,13 @@ hook on each: one synchronous all-reduce per parameter per micro-batch.
 For the norm weights among them, shardnorm takes that job instead: it sets the flag DeepSpeed
 checks (`_ds_grad_allreduce_registered`) before `deepspeed.initialize`, lets the local partial
 sums accumulate in `.grad` over the micro-batches, and at the end of the last micro-batch's
-backward shardnorm's one `NormGradReducer` (source: `PartialGrads`, the step boundary being the
-engine's) harvests them and all-reduces them over the tensor-parallel group in fp32 buckets: one
-collective per bucket per optimizer step.
+backward the model's `NormGradReducer` (`attach_reducer(model, source=PartialGrads(...))`, the step
+boundary being the engine's; `shardnorm.finalize_grads(model)` sees it like any other) harvests them
+and all-reduces them over the tensor-parallel group in fp32 buckets: one collective per bucket per
+optimizer step.
+
+DeepSpeed internals, read here only (DeepSpeed has no public API for them): that flag, the partition
+config (`_get_hf_tp_plan`) and the model type AutoTP matches specs by (`AutoTP._get_model_type`).
 
 That timing needs the grads to stay in `.grad` until the accumulation boundary's backward ends,
 which holds for ZeRO stage 0 and 1 (with `overlap_comm` off and grads accumulated in the parameter
@@ -23,10 +27,11 @@ import types
 
 import torch
 
+from ..distributed.accumulation import attach_reducer
 from ..distributed.grad_sources import PartialGrads
 from ..distributed.reducer import NormGradReducer
-from .config import ShardnormConfigError, ShardnormSection
-from .conversion import shardnorm_modules
+from .deepspeed_config import ShardnormConfigError, ShardnormSection
+from .deepspeed_conversion import shardnorm_modules
 
 _DS_FLAG = "_ds_grad_allreduce_registered"
 
@@ -99,7 +104,7 @@ class AutoTPNormGrads:
 
         source = PartialGrads(self.params, groups.get_tensor_model_parallel_group(),
                               boundary=engine.is_gradient_accumulation_boundary)
-        self.reducer = NormGradReducer(bucket_cap_mb=self.bucket_cap_mb, source=source)
+        self.reducer = attach_reducer(engine.module, source=source, bucket_cap_mb=self.bucket_cap_mb)
 
 
 def own_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: ShardnormSection):
@@ -107,4 +112,4 @@ def own_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: Shar
     if section.grad_reduce != "step":
         return None
     params = marked_norm_params(model, ds_config)
-    return AutoTPNormGrads(params, section.bucket_size_mb) if params else None
+    return AutoTPNormGrads(params, section.bucket_cap_mb) if params else None
