@@ -1,6 +1,6 @@
 """Turn bench_kernels.py JSON into the markdown table and the GB/s-vs-N plot.
 
-    python benchmarks/report.py results/h100-2026-11-22.json [more.json] --md out.md --png out.png
+    python benchmarks/report.py bench_kernels-bf16-weights.json [more.json] --md bench_kernels.md --png bench_kernels.png
 
 Cells are forward / backward GB/s; a provider whose output missed the float64 reference is marked
 "(wrong)" and never counts as the best peer. Peers get a column only where the JSON has them. A row's
