@@ -16,10 +16,9 @@ from conftest import backend_device, reference_norm, rel_err
 from shardnorm.kernels import config
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
-# Rows longer than one program's registers hold: the backward's (20000) and the forward's (40000).
-# Where Triton and the GPU allow it (and always under the interpreter) RMSNorm runs some of them one
-# pass over thread-block clusters (forward 40000, backward 20000 with a bf16 weight), else they take the
-# chunked forward and the split backward: `test_long_rows` runs both.
+# Rows longer than one program's registers hold: the backward's (20000) and the forward's (40000). They take
+# the chunked forward and the split backward (portable), or on Hopper the staged kernels for the calls those
+# take (tests/test_long_rows_staged.py); `test_long_rows` runs them.
 LONG = config.MAX_FUSED_N_FWD + 7232
 HIDDEN = (1, 7, 127, 1000, 4096, 5120, 20000, LONG)
 
@@ -98,6 +97,34 @@ def test_matches_float64(backend, device, n, rms, dtype):
     run_case(device, n, rms, dtype, eps=1.0 if n == 1 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_layer_norm_of_one_element(backend, device, dtype, eps, residual):
+    """LayerNorm over N = 1: y is the bias whatever x is, so dx is exactly 0 (torch's result) and with a
+    residual dx = dresidual = dz exactly; dgamma exactly 0. On a GPU the formula's w*dy - mean(w*dy) left
+    w*dy's rounding error times rstd (up to 2.3 at eps = 1e-12) where the compiler fused the mean into an FMA."""
+    seed = _seeded()
+    rows = 300
+    x = (torch.randn(rows, 1) * 3).to(dtype).to(device).requires_grad_()
+    w = torch.randn(1, device=device, requires_grad=True)
+    b = torch.randn(1, device=device, requires_grad=True)
+    dy = (torch.randn(rows, 1) * 4).to(dtype).to(device)
+    if residual:
+        res = torch.randn(rows, 1).to(dtype).to(device).requires_grad_()
+        y, z = shardnorm.add_layer_norm(x, res, 1, w, b, eps)
+        dz = torch.randn(rows, 1).to(dtype).to(device)
+        torch.autograd.backward([y, z], [dy, dz])
+        assert torch.equal(x.grad, dz) and torch.equal(res.grad, dz), seed
+    else:
+        y = shardnorm.layer_norm(x, 1, w, b, eps)
+        y.backward(dy)
+        assert torch.equal(x.grad, torch.zeros_like(x)), f"max |dx| {x.grad.abs().max().item()} (seed={seed})"
+    assert torch.equal(y, y[:1].expand(rows, 1)), seed  # the bias (rounded to y's dtype), whatever x is
+    assert rel_err(y[0], b.detach()) <= TOL[dtype], seed
+    assert torch.equal(w.grad, torch.zeros_like(w)), seed
+
+
 VARIANTS = {
     "bf16_weight": dict(weight_dtype=torch.bfloat16),
     "fp16_weight": dict(dtype=torch.float16, weight_dtype=torch.float16),
@@ -167,19 +194,17 @@ def test_backward_tail_tile(backend, device, residual):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("n,rows,clusters", [(1000, 301, True), (20000, 41, True), (20000, 41, False)],
-                         ids=["one_pass", "long", "long_without_clusters"])
-def test_backward_is_bitwise_deterministic(backend, device, monkeypatch, rms, n, rows, clusters):
+@pytest.mark.parametrize("n,rows", [(1000, 301), (20000, 41)], ids=["one_pass", "long"])
+def test_backward_is_bitwise_deterministic(backend, device, rms, n, rows):
     """Many persistent programs, each with its own partial row: repeated runs agree bit for bit."""
-    if not _use_clusters(monkeypatch, device, clusters):
-        pytest.skip("thread-block clusters need a Hopper GPU and Triton >= 3.9")
-    cfg = config.bwd_config(n, 1 if rms else 2, 2, rms, config.use_clusters(device, rms))
-    assert config.partial_rows(cfg, rows, n, config.INTERPRETER_SM_COUNT) > 1
+    if backend == "triton":
+        cfg = config.bwd_config(n, 1 if rms else 2, 2, rms, config.specialized(torch.device(device)))
+        assert config.partial_rows(cfg, rows, n, config.sm_count(torch.device(device))) > 1
     _seeded()
-    x = torch.randn(rows, n, device=device)
-    w = torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True)  # as the cluster backward takes
+    x = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True)
     b = None if rms else torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(rows, n, device=device)
+    dy = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
     results = []
     for _ in range(3):
         xg = x.clone().requires_grad_()
@@ -191,54 +216,23 @@ def test_backward_is_bitwise_deterministic(backend, device, monkeypatch, rms, n,
             assert torch.equal(g0, g1)
 
 
-def _use_clusters(monkeypatch, device, wanted: bool) -> bool:
-    """Make the launchers take (or not take) the cluster configs; False if wanted but unsupported."""
-    if wanted and not config.clusters(device):
-        return False
-    monkeypatch.setattr(config, "clusters", lambda _device: wanted)
-    return True
-
-
 @pytest.mark.parametrize("n", [20000, LONG])
-@pytest.mark.parametrize("rms,clusters", [(False, False), (True, False), (True, True)],
-                         ids=["layernorm", "rmsnorm_without_clusters", "rmsnorm_clusters"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("case", [dict(dtype=torch.float32), dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
                                   dict(dtype=torch.bfloat16, residual_dtype=torch.bfloat16, zero_centered=True),
                                   dict(dtype=torch.float16, bias=False)],
                          ids=["fp32", "bf16_weight", "residual_zero_centered", "fp16_no_bias"])
-def test_long_rows(monkeypatch, n, rms, clusters, case):
-    """Rows too long for one program: RMSNorm over thread-block clusters where they pay (forward 40000,
-    backward 20000 with bf16 weights) and where Triton and the GPU have them; else, and for LayerNorm,
-    the chunked forward and the split backward."""
+def test_long_rows(monkeypatch, n, rms, case):
+    """Rows too long for one program: the chunked forward (40000) and the split backward (both), or on Hopper
+    the staged kernels where the table and the call allow."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
     device = backend_device("triton")
-    if not _use_clusters(monkeypatch, device, clusters):
-        pytest.skip("thread-block clusters need a Hopper GPU and Triton >= 3.9")
     kw = dict(case)
     param_size = kw.get("weight_dtype", torch.float32).itemsize
-    fwd = config.fwd_config(n, param_size, not rms and kw.get("bias", True), config.use_clusters(device, rms))
-    bwd = config.bwd_config(n, 1 if rms else 2, param_size, rms, config.use_clusters(device, rms))
-    assert (fwd.num_ctas > 1) == (clusters and n == LONG)
-    assert (getattr(bwd, "num_ctas", 1) > 1) == (clusters and n == 20000 and param_size == 2)
+    fwd = config.fwd_config(n, param_size, not rms and kw.get("bias", True))
+    bwd = config.bwd_config(n, 1 if rms else 2, param_size, rms)
+    assert (n < config.MAX_FUSED_N_FWD or not fwd.single_pass) and isinstance(bwd, config.SplitBwdConfig)
     run_case(device, n, rms, kw.pop("dtype"), rows=3, **kw)
-
-
-def test_cluster_configs():
-    """Cluster configs only where asked for (`use_clusters`: RMSNorm), one pass over the whole row,
-    at most a portable cluster (8 CTAs), and no more columns per CTA than one program's one pass."""
-    for (block_n, param_size), cfg in config.CLUSTER_FWD.items():
-        n = block_n - 100
-        assert config.fwd_config(n, param_size, False, True) == cfg
-        assert cfg.single_pass and cfg.block_n >= n and 1 < cfg.num_ctas <= 8
-        assert block_n // cfg.num_ctas <= config.MAX_FUSED_N_FWD
-        assert config.fwd_config(n, param_size, False, False).num_ctas == 1
-    for (block_n, param_size), cfg in config.CLUSTER_BWD.items():
-        n = block_n - 100
-        assert config.bwd_config(n, 1, param_size, True, True) == cfg and 1 < cfg.num_ctas <= 8
-        assert block_n // cfg.num_ctas <= config.MAX_FUSED_N_BWD[1]
-        assert isinstance(config.bwd_config(n, 1, param_size, True, False), config.SplitBwdConfig)
-    assert config.use_clusters(torch.device("cpu"), rms=True)
-    assert not config.use_clusters(torch.device("cpu"), rms=False)
 
 
 SMALL_GRAD_CASES = {
@@ -266,7 +260,7 @@ def test_small_backward_grads(monkeypatch, grads_path, case, rms, n):
     has_bias = not rms and kw.get("bias", True)
     num_grads = kw.get("weight", True) + has_bias
     param_size = kw.get("weight_dtype", torch.float32).itemsize
-    cfg = config.bwd_config(n, num_grads, param_size, rms, config.use_clusters(device, rms))
+    cfg = config.bwd_config(n, num_grads, param_size, rms)
     assert config.direct_grads(cfg, rows, n) == (grads_path == "direct")
     run_case(device, n, rms, kw.pop("dtype"), rows=rows, **kw)
 

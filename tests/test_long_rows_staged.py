@@ -1,7 +1,7 @@
-"""The staged long-row backward (`kernels/norm_bwd_staged.py`, Gluon) against float64.
+"""The staged long-row kernels (`kernels/norm_bwd_staged.py`, `kernels/norm_fwd_staged.py`, Gluon) against float64.
 
 Gluon does not run under the interpreter: on CPU only the selection is checked (never staged there,
-and the split backward, the same math in `tl`, is what runs); the kernel itself needs a GPU.
+and the split backward and chunked forward, the same math in `tl`, are what runs); the kernels need a GPU.
 """
 
 import sys
@@ -10,53 +10,109 @@ import pytest
 import torch
 
 from conftest import backend_device
+from shardnorm import settings
 from shardnorm.kernels import config, norm_fwd
 from test_kernels import run_case
-from test_long_rows_coop import assert_repeatable_and_replayable
-from test_long_rows_coop import force  # noqa: F401 (the fixture: every backward takes a given config)
 
 bwd_module = sys.modules["shardnorm.kernels.norm_bwd"]
+fwd_module = sys.modules["shardnorm.kernels.norm_fwd"]
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="Gluon kernels do not run under the interpreter")
 S = config.StagedConfig
 
 
+@pytest.fixture
+def force(monkeypatch):
+    """force(cfg): every backward takes cfg (as benchmarks/sweep_tiles.py swaps configs)."""
+    def use(cfg):
+        monkeypatch.setattr(config, "bwd_config", lambda *_: cfg)
+        bwd_module._plan.cache_clear()
+    yield use
+    bwd_module._plan.cache_clear()
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    """portable(on): SHARDNORM_PORTABLE_KERNELS set (or unset) and the settings read again."""
+    def use(on: bool):
+        if on:
+            monkeypatch.setenv("SHARDNORM_PORTABLE_KERNELS", "1")
+        else:
+            monkeypatch.delenv("SHARDNORM_PORTABLE_KERNELS", raising=False)
+        settings.reload()
+    yield use
+    monkeypatch.delenv("SHARDNORM_PORTABLE_KERNELS", raising=False)
+    settings.reload()
+
+
 def _plan(n, rms, weight_dtype=torch.bfloat16, has_bias=True):
     device = backend_device("triton")
-    return bwd_module._plan(n, weight_dtype, has_bias and not rms, False, rms, False, device, False,
-                            config.coop_mode(device))
+    return bwd_module._plan(n, weight_dtype, has_bias and not rms, False, rms, False, device,
+                            config.specialized(device))
 
 
-def test_selection(monkeypatch):
-    """SHARDNORM_LONG_BWD=staged picks the staged config for long rows only, the table where measured; a
-    device that cannot run it (CPU: the interpreter) never gets it, whatever the config says."""
-    assert config.bwd_config(16384, 2, 2, False, False, "staged") == config.STAGED_BWD_DEFAULT
-    assert config.bwd_config(14336, 2, 2, False, False, "table") == config.STAGED_BWD[16384, 2, False]
-    assert config.bwd_config(32768, 1, 2, True, False, "table") == config.STAGED_BWD_DEFAULT
-    assert config.bwd_config(32768, 2, 2, False, False, "table").slice_n == 16384
-    assert config.bwd_config(32768, 2, 4, False, False, "table") == config.COOP_BWD[32768, 4, False]  # fp32 w
-    assert config.without_staged("table") == config.without_staged("staged") == "coop-table"
-    assert config.bwd_config(4096, 2, 2, False, False, "staged") == config.bwd_config(4096, 2, 2, False, False, "")
-    assert not config.staged(torch.device("cpu"))
-    monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
-    assert config.coop_mode(torch.device("cpu")) == ""
-    if not CUDA:
-        monkeypatch.setattr(config, "bwd_config", lambda *_: config.STAGED_BWD_DEFAULT)
-        bwd_module._plan.cache_clear()
-        try:
-            assert isinstance(_plan(16384, False).cfg, config.SplitBwdConfig)
-        finally:
-            bwd_module._plan.cache_clear()
+def assert_repeatable_and_replayable(run):
+    """run() twice gives bitwise equal outputs, and so do three replays of a CUDA graph capturing it."""
+    first, second = run(), run()
+    for a, c in zip(first, second):
+        assert a is None or torch.equal(a, c)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # the capture stream's own exchange words, allocated outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, c in zip(first, captured):
+            assert a is None or torch.equal(a, c)
+
+
+def test_selection():
+    """Long rows take STAGED_BWD's entry where the staged kernels may run ("staged") and hold the row, else
+    the split backward; short rows one pass either way."""
+    assert config.bwd_config(14336, 2, 2, False, "staged") == config.STAGED_BWD[16384, 2, False]
+    assert config.bwd_config(32768, 1, 2, True, "staged") == config.STAGED_BWD[32768, 2, True]
+    assert config.bwd_config(40000, 2, 2, False, "staged").slice_n == 16384
+    split = config.BWD_SPLIT
+    assert config.bwd_config(32768, 2, 4, False, "staged") == split  # fp32 weight: not measured staged
+    assert config.bwd_config(32768, 2, 2, False, "") == split  # portable
+    assert config.bwd_config(20000, 0, 2, False, "staged") == split  # no parameter grads: nothing to write
+    assert config.bwd_config(16384 - 8, 2, 2, False, "staged") == split  # N not a multiple of 16
+    assert config.bwd_config(131072, 2, 2, False, "staged") == split  # not in the table
+    assert config.bwd_config(4096, 2, 2, False, "staged") == config.bwd_config(4096, 2, 2, False, "")
+    assert config.specialized(torch.device("cpu")) == ""
+
+
+def test_family_table_and_portable_switch(monkeypatch, portable):
+    """One lookup: a Hopper device takes SPECIALIZED's kernels unless SHARDNORM_PORTABLE_KERNELS=1; other
+    families and CPU tensors the portable ones; a bad value is refused by name."""
+    monkeypatch.setattr(config.torch.cuda, "get_device_capability", lambda device: capability)
+    config._family_kernels.cache_clear()
+    try:
+        for capability, expected in (((9, 0), "staged"), ((8, 0), ""), ((10, 0), "")):
+            config._family_kernels.cache_clear()
+            portable(False)
+            assert config.specialized(torch.device("cuda", 0)) == expected
+            portable(True)
+            assert config.specialized(torch.device("cuda", 0)) == ""
+    finally:
+        config._family_kernels.cache_clear()
+    monkeypatch.setenv("SHARDNORM_PORTABLE_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="SHARDNORM_PORTABLE_KERNELS"):
+        settings.reload()
 
 
 @needs_gpu
 @pytest.mark.parametrize("n,rms", [(14336, False), (16384, False), (32768, False), (65536, False), (20000, False),
                                    (32768, True), (65536, True), (40000, True)])
 def test_table_entries(monkeypatch, n, rms):
-    """As users get it (not forced): the measured rows (and rows that round up to them: 20000, 40000, a
-    partial last slice) take the staged backward, against float64."""
+    """As users get it: the measured rows (and rows that round up to them: 20000, 40000, a partial last
+    slice) take the staged backward, against float64."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
-    monkeypatch.delenv("SHARDNORM_LONG_BWD", raising=False)
     bwd_module._plan.cache_clear()
     assert isinstance(_plan(n, rms).cfg, S)
     run_case(backend_device("triton"), n, rms, torch.bfloat16, rows=301, weight_dtype=torch.bfloat16)
@@ -64,7 +120,7 @@ def test_table_entries(monkeypatch, n, rms):
 
 
 def test_stageable_calls():
-    """What a call must be for the staged backward's 16-byte copies; anything else goes to the other plan."""
+    """What a call must be for the staged backward's 16-byte copies; anything else goes to the portable plan."""
     rows = torch.randn(4, 16384 + 8, dtype=torch.bfloat16)
     x, dy, w = rows[:, :16384], torch.randn(4, 16384, dtype=torch.bfloat16), torch.randn(16384, dtype=torch.bfloat16)
     stageable = bwd_module._stageable
@@ -75,23 +131,6 @@ def test_stageable_calls():
     assert not stageable(x, dy, w, (dy,))  # grad terms: summed in fp32 first
     assert not stageable(torch.randn(4 * 16384 + 1, dtype=torch.bfloat16)[1:].view(4, 16384), dy, w, ())  # misaligned
     assert not stageable(x, dy, torch.randn(16385, dtype=torch.bfloat16)[1:], ())  # misaligned weight
-
-
-@needs_gpu
-def test_rows_that_do_not_fit_take_the_split_backward(monkeypatch):
-    """Rows of any length take the sliced staged backward while every slice has an SM; a norm without parameters
-    and N that is no multiple of 16 do not."""
-    monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
-    bwd_module._plan.cache_clear()
-    sms = config.sm_count(torch.device("cuda"))
-    try:
-        for n, rms in [(16384, False), (32768, True), (32768, False), (65536, True), (16384 * sms, False)]:
-            assert _plan(n, rms).cfg == config.STAGED_BWD_DEFAULT
-        assert not isinstance(_plan(16384 * (sms + 1), False).cfg, S)  # more slices than SMs
-        assert not isinstance(_plan(20000, False, None, False).cfg, S)
-        assert not isinstance(_plan(16384 - 8, False).cfg, S)  # N not a multiple of 16
-    finally:
-        bwd_module._plan.cache_clear()
 
 
 CASES = {"bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
@@ -108,11 +147,10 @@ CASES = {"bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("rows", [1, 301])
 def test_matches_float64(monkeypatch, n, rms, case, rows):
-    """SHARDNORM_LONG_BWD=staged: fewer rows than programs (1) and several rows per program (301, no
-    multiple of the SM count), partial last chunks (14336, 20000); N that is no multiple of 16 (9000,
-    16379) and the cases the plan hands on go through the other backwards."""
+    """As users get it: fewer rows than programs (1) and several rows per program (301, no multiple of the SM
+    count), partial last chunks (14336, 20000); N that is no multiple of 16 (9000, 16379) and the cases the
+    plan hands on go through the split backward."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
-    monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
     bwd_module._plan.cache_clear()
     kw = dict(CASES[case])
     run_case(backend_device("triton"), n, rms, kw.pop("dtype"), rows=rows, **kw)
@@ -121,8 +159,7 @@ def test_matches_float64(monkeypatch, n, rms, case, rows):
 
 @needs_gpu
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-def test_bitwise_deterministic(monkeypatch, rms):
-    monkeypatch.setenv("SHARDNORM_LONG_BWD", "staged")
+def test_bitwise_deterministic(rms):
     bwd_module._plan.cache_clear()
     n = 20480 if rms else 16384  # long rows for each (RMSNorm's one pass goes to 16384)
     x = torch.randn(2048, n, device="cuda", dtype=torch.bfloat16)
@@ -189,7 +226,6 @@ def test_zero_rows(monkeypatch, n, rms):
     """No rows: zero dgamma/dbeta and an empty dx, whichever long-row path the table picks (the staged kernels
     hand M = 0 to the plan without them: the three-slot one takes its first row's sums before its loop)."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
-    monkeypatch.delenv("SHARDNORM_LONG_BWD", raising=False)
     bwd_module._plan.cache_clear()
     device = backend_device("triton")
     x = torch.randn(0, n, device=device, dtype=torch.bfloat16)
@@ -204,7 +240,6 @@ def test_zero_rows(monkeypatch, n, rms):
 
 # ---- the staged forward (`kernels/norm_fwd_staged.py`) ----
 
-fwd_module = sys.modules["shardnorm.kernels.norm_fwd"]
 FWD_CASES = {"bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
              "fp32_weight": dict(dtype=torch.bfloat16),
              "zero_centered": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16, zero_centered=True),
@@ -248,7 +283,6 @@ def test_forward_parameters_that_cannot_be_staged():
 def test_forward_with_unstageable_parameters(monkeypatch, rms):
     """A weight 2 bytes off 16-byte alignment, or a bias wider than the weight: the chunked forward, the same
     result as the staged one to a rounding step."""
-    monkeypatch.delenv("SHARDNORM_LONG_FWD", raising=False)
     fwd_module._plan.cache_clear()
     x = torch.randn(300, 65536, device="cuda", dtype=torch.bfloat16) * 3 + 1
     w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
@@ -263,8 +297,9 @@ def test_forward_with_unstageable_parameters(monkeypatch, rms):
 
 
 def test_forward_never_staged_on_cpu():
+    cpu = torch.device("cpu")
     fwd_module._plan.cache_clear()
-    assert fwd_module._plan(65536, 2, True, True, False, False, False, torch.device("cpu"), False).staged is None
+    assert fwd_module._plan(65536, 2, True, True, False, False, False, cpu, config.specialized(cpu)).staged is None
     fwd_module._plan.cache_clear()
 
 
@@ -276,10 +311,10 @@ def test_forward_matches_float64(monkeypatch, n, rms, case, rows):
     """Rows above 32768 columns (N % 16 == 0 staged, 65544 not), fewer rows than programs and several
     rows per program; outputs and grads against float64."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
-    monkeypatch.delenv("SHARDNORM_LONG_FWD", raising=False)
     fwd_module._plan.cache_clear()
     kw = dict(FWD_CASES[case])
-    staged = fwd_module._plan(n, 2, True, not rms, False, rms, False, torch.device("cuda"), False).staged
+    cuda = torch.device("cuda")
+    staged = fwd_module._plan(n, 2, True, not rms, False, rms, False, cuda, config.specialized(cuda)).staged
     assert (staged is not None) == (n % 16 == 0)
     run_case(backend_device("triton"), n, rms, kw.pop("dtype"), rows=rows, **kw)
     fwd_module._plan.cache_clear()
@@ -287,16 +322,19 @@ def test_forward_matches_float64(monkeypatch, n, rms, case, rows):
 
 @needs_gpu
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-def test_forward_chunked_switch_and_agreement(monkeypatch, rms):
-    """SHARDNORM_LONG_FWD=chunked keeps the `tl` forward; both give the same statistics to fp32 rounding."""
+def test_forward_portable_switch_and_agreement(portable, rms):
+    """SHARDNORM_PORTABLE_KERNELS=1 keeps the chunked `tl` forward; both give the same statistics to fp32
+    rounding."""
     x = torch.randn(257, 65536, device="cuda", dtype=torch.bfloat16) * 3 + 1
     w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
     b = None if rms else torch.randn_like(w)
     outs = {}
     for mode in ("staged", "chunked"):
-        monkeypatch.setenv("SHARDNORM_LONG_FWD", mode)
+        portable(mode == "chunked")
         fwd_module._plan.cache_clear()
-        assert (fwd_module._plan(65536, 2, True, b is not None, False, rms, False, x.device, False).staged is None) \
+        kernels = config.specialized(x.device)
+        assert (kernels == "staged") == (mode == "staged")
+        assert (fwd_module._plan(65536, 2, True, b is not None, False, rms, False, x.device, kernels).staged is None) \
             == (mode == "chunked")
         outs[mode] = fwd_module.norm_fwd(x, w, b, None, 1e-5, rms, False)
     fwd_module._plan.cache_clear()
@@ -309,18 +347,17 @@ def test_forward_chunked_switch_and_agreement(monkeypatch, rms):
 
 @needs_gpu
 @pytest.mark.parametrize("offset,first_chunk", [(0.0, 0.0), (1000.0, 0.0), (0.0, 40.0)])
-def test_forward_statistics_far_from_zero(monkeypatch, offset, first_chunk):
+def test_forward_statistics_far_from_zero(offset, first_chunk):
     """The LayerNorm statistics (one pass, shifted by the first chunk's mean) keep the variance of rows whose
     mean is far from zero against their spread, and of rows whose first chunk sits far from the rest (the
     shift's worst case): mean, rstd and y against float64."""
-    monkeypatch.delenv("SHARDNORM_LONG_FWD", raising=False)
     fwd_module._plan.cache_clear()
     x = torch.randn(300, 65536, device="cuda", dtype=torch.float32) * 8 + offset
     x[:, :config.STAGED_FWD.chunk] += first_chunk * 8
     x = x.to(torch.bfloat16)
     w = torch.randn(65536, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(w)
-    assert fwd_module._plan(65536, 2, True, True, False, False, False, x.device, False).staged is not None
+    assert fwd_module._plan(65536, 2, True, True, False, False, False, x.device, "staged").staged is not None
     y, _, mean, rstd = fwd_module.norm_fwd(x, w, b, None, 1e-5, False, False)
     fwd_module._plan.cache_clear()
     x64 = x.double()

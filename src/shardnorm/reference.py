@@ -67,7 +67,10 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     dx = wdy - xhat * ((xhat * wdy).sum(-1, keepdim=True) / n)
     if not rms:
         dx = dx - wdy.sum(-1, keepdim=True) / n
-    dx = dx * rstd[:, None]
+    if rms or n > 1:
+        dx = dx * rstd[:, None]
+    else:  # LayerNorm over one element: y is the bias whatever x is, dx exactly 0 (kernels/bwd_tiles._store_dx)
+        dx = torch.zeros_like(dx)
     if dz is not None:
         dx = dx + dz.float()
     param_dtype = weight.dtype if weight is not None else torch.float32

@@ -20,23 +20,18 @@ backward's incoming grads (dy, dz against the forward's outputs), and the custom
 """
 
 import operator
-import struct
-import threading
-from typing import Callable, Optional
 
-import triton
 from torch import Tensor
 from torch.nn import Parameter
 from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-# Cached launches pass tensors as ints (data_ptr()); False passes the tensors, for an A/B of host time.
+# Cached launches pass tensors as ints (data_ptr()): Triton's C launcher then skips a data_ptr() call and a
+# driver query per pointer. False passes the tensors, for an A/B of host time; on the H100 machine the two were
+# within that CPU's noise (NOTES.md v15: -17 to +25 us per RMSNorm 8 x 4096 forward+backward either way;
+# `python benchmarks/host_time.py --out OUT` with this set to False and to True).
 INT_POINTERS = True
-
-# While host/record.py records a call on a thread: thread id -> the (launcher, compiled kernel, grid, runtime
-# args) of every launch that thread makes (empty, and one dict lookup per launch, otherwise).
-recording: dict = {}
 
 
 def _spec(arg):
@@ -62,21 +57,20 @@ def _key(device, args) -> tuple:
 
 
 class Launcher:
-    """`kernel[grid](*args, num_warps=num_warps, num_ctas=num_ctas, **constexprs)` minus most of its
-    host time. constexprs: all the kernel's constexpr parameters, which follow its runtime ones;
-    num_ctas > 1 launches each program as a thread-block cluster of that many CTAs; cooperative, as a
-    cooperative grid (the compiled kernel carries the flag, so the cached path keeps it). Built once per
-    launch configuration (the launchers' plans hold them), called with the runtime arguments.
+    """`kernel[grid](*args, num_warps=num_warps, **constexprs)` minus most of its host time (NOTES.md v6:
+    15.3 vs 21.8 us of host time per launch on the H100 machine, 32768 x 1024; host time per call: `python
+    benchmarks/host_time.py --out OUT`). constexprs: all the kernel's constexpr parameters, which follow its runtime
+    ones; cooperative: launched as a cooperative grid (the compiled kernel carries the flag, so the cached
+    path keeps it). Built once per launch configuration (the launchers' plans hold them), called with the
+    runtime arguments.
 
     `derived`: positions of runtime arguments left out of the cache key because the caller allocates
     them fresh (so 16-byte aligned) with a dtype and presence fixed by the keyed arguments and the
     plan, e.g. y = empty_like(x); each keyed tensor costs the key ~0.3 us of host time per launch."""
 
-    def __init__(self, kernel, num_warps: int, num_ctas: int = 1, cooperative: bool = False, derived: tuple = (),
-                 replayable: bool = True, **constexprs):
+    def __init__(self, kernel, num_warps: int, cooperative: bool = False, derived: tuple = (), **constexprs):
         self.kernel = kernel
-        self.replayable = replayable  # False: its launches must not be replayed from C++ (host/record.py)
-        self.options = dict(num_warps=num_warps, num_ctas=num_ctas) if num_ctas > 1 else dict(num_warps=num_warps)
+        self.options = dict(num_warps=num_warps)
         if cooperative:  # the driver's cooperative launch: all programs resident at once, or an error
             self.options["launch_cooperative_grid"] = True
         self.constexprs = constexprs
@@ -91,8 +85,6 @@ class Launcher:
 
     def __call__(self, grid: tuple, *args) -> None:
         if not isinstance(self.kernel, JITFunction):
-            if recording:  # no compiled kernel to replay: the recording is refused
-                _record(self, None, grid, args)
             self.kernel[grid](*args, **self.options, **self.constexprs)
             return
         active = driver.active
@@ -100,12 +92,8 @@ class Launcher:
         key = _key(device, args if self.keyed is None else self.keyed(args))
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.compiled[key] = self.kernel[grid](*args, **self.options, **self.constexprs)
-            if recording:
-                _record(self, compiled, grid, args)
+            self.compiled[key] = self.kernel[grid](*args, **self.options, **self.constexprs)
             return
-        if recording:
-            _record(self, compiled, grid, args)
         stream = active.get_current_stream(device)
         grid3 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -120,72 +108,6 @@ class Launcher:
                          *self.trailing)
 
 
-def _record(launcher: "Launcher", compiled, grid: tuple, args: tuple) -> None:
-    launches = recording.get(threading.get_ident())
-    if launches is not None:
-        launches.append((launcher, compiled, grid, args))
-
-
 def _installed(hook) -> bool:
     """A launch hook is set: a callable, or (newer Triton) a HookChain with calls in it."""
     return hook is not None and bool(getattr(hook, "calls", True))
-
-
-# ---- a launch as the C++ host path replays it (host/replay.cpp, recorded by host/record.py) ----------------
-
-# Triton versions whose C launcher the replay mirrors: the kernel's non-constexpr arguments in order, then the
-# scratch pointers it appends to every launch (global, profile), null where the kernel needs no scratch.
-_REPLAY_SCRATCH_POINTERS = {"3.6": 2}
-
-
-def replay_scratch_pointers() -> Optional[int]:
-    """How many scratch pointers this Triton's launches end with, or None: a version the replay does not know."""
-    return _REPLAY_SCRATCH_POINTERS.get(".".join(triton.__version__.split(".")[:2]))
-
-
-def replay_args(launcher: Launcher, compiled, grid: tuple, args: tuple, role_of: Callable):
-    """One recorded launch as `add_spec` takes it: (function, grid, threads, shared memory, scratch pointers,
-    [(is_pointer, role or scalar bytes)]), tensors named by `role_of(tensor)`; or why the replay's plain
-    cuLaunchKernel cannot stand in for Triton's launch (a string)."""
-    if compiled is None:
-        return "the interpreter's launch"
-    if not launcher.replayable:
-        return "a launcher with a workspace or a Gluon kernel"
-    meta = compiled.metadata
-    for field, value in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False),
-                         ("global_scratch_size", 0), ("profile_scratch_size", 0)):
-        if getattr(meta, field, value) != value:
-            return f"{field} = {getattr(meta, field)}"
-    if getattr(meta, "tensordesc_meta", None):
-        return "tensor descriptors"
-    params = []
-    for (name, kind), arg in zip(compiled.src.signature.items(), args):  # the runtime args; constexprs follow
-        if kind == "constexpr":  # declared constexprs, and None / ints of 1 that Triton specialized
-            continue
-        if kind.startswith("*"):
-            role = role_of(arg) if isinstance(arg, Tensor) else None
-            if role is None:
-                return f"argument {name}: a tensor that is no input or allocation of the call"
-            params.append((True, role))
-        else:
-            value = scalar_bytes(kind, arg)
-            if value is None:
-                return f"argument {name}: type {kind}"
-            params.append((False, value))
-    grid3 = tuple(grid) + (1,) * (3 - len(grid))
-    return compiled.function, grid3, 32 * meta.num_warps, meta.shared, replay_scratch_pointers(), params
-
-
-_FLOATS = {"fp32": "<f", "fp64": "<d", "fp16": "<e"}
-
-
-def scalar_bytes(kind: str, value) -> Optional[int]:
-    """A scalar argument of Triton type `kind` as the replay stores it: its little-endian bytes, zero-padded to
-    8, read as a signed 64-bit int; None for a type it does not pack (bf16)."""
-    if kind in _FLOATS:
-        raw = int.from_bytes(struct.pack(_FLOATS[kind], value), "little")
-    elif kind[0] in "iu" and kind[1:].isdigit():
-        raw = int(value) & ((1 << int(kind[1:])) - 1)
-    else:
-        return None
-    return raw - (1 << 64) if raw >= 1 << 63 else raw

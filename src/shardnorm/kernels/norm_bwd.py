@@ -4,15 +4,14 @@ Rows that fit in registers take `norm_bwd_kernel`, one pass over x and dy: P per
 the row blocks grid-stride, write dx, and keep dgamma/dbeta partial sums in fp32 registers. Longer
 rows take the split backward: `row_sums_kernel` reads [BLOCK_M, BLOCK_N] tiles for the two per-row
 reductions dx needs (partial sums per column tile) and the dgamma/dbeta partials, then `dx_kernel`
-reads the tiles again and writes dx. Where `config.COOP_BWD` says so, long rows take the cooperative
-backward instead (`norm_bwd_coop.py`): column slices of a row exchange their row sums through
-global memory, so x and dy are read once.
+reads the tiles again and writes dx. On Hopper the shapes of `config.STAGED_BWD` take the staged
+backward instead (`norm_bwd_staged.py`, Gluon): the row held in shared memory, x and dy read once.
 
 Either way each program (row group) owns one row of a [P, G*N] fp32 partial buffer and writes it
 even when it got no rows; `column_sum_kernel` reduces that buffer over P in a fixed order. Tiny inputs
 (`config.direct_grads`) skip both: one one-pass program takes every row and stores dgamma/dbeta itself.
-Deterministic (bitwise repeatable): no atomic adds into results (the cooperative backward's atomics
-only count who has published; the sums are added in a fixed order).
+Deterministic (bitwise repeatable): no atomic adds into results (the staged backward's exchange words
+only carry each slice's partial row sums, added in slice order).
 """
 
 import functools
@@ -21,13 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.runtime.jit import JITFunction
-
 from . import config
 from .bwd_tiles import (_accumulate, _column_program, _load_tile, _program_state, _row_tile, _store_dx, _store_partials,
                         _tile_values)
 from .launch import Launcher
-from .norm_bwd_coop import RING, coop_bwd_kernel, workspace
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -178,9 +174,9 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     `dy_terms`: up to two more [M, N] tensors with dy's strides; the grad is their sum with dy."""
     device = src.device
     n = src.shape[1]
-    coop = config.coop_mode(device) if n >= config.MIN_LONG_N_BWD else ""  # short rows: one pass either way
+    kernels = config.specialized(device) if n >= config.MIN_LONG_N_BWD else ""  # short rows: one pass either way
     plan = _plan(n, weight.dtype if weight is not None else None, has_bias, dz is not None, rms, zero_centered,
-                 device, config.use_clusters(device, rms), coop, 1 + len(dy_terms))
+                 device, kernels, 1 + len(dy_terms))
     return plan(dy, dz, src, weight, mean, rstd, dy_terms)
 
 
@@ -192,53 +188,40 @@ def _stageable(src, dy, weight, dy_terms) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_centered: bool, device,
-          clusters: bool, coop: str = "", dy_terms: int = 1) -> "_BwdPlan":
-    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop, dy_terms)
+          kernels: str = "", dy_terms: int = 1) -> "_BwdPlan":
+    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, kernels, dy_terms)
 
 
 class _BwdPlan:
     """A backward's launches for one N, weight dtype, variant and device: configs and launchers are
     chosen once, so a call does only what depends on the tensors (M, allocations, pointers). At small
-    sizes the host time of a call is most of the backward's time (benchmarks/NOTES.md, v9)."""
+    sizes the host time of a call is most of the backward's time (benchmarks/NOTES.md, v9).
+    kernels: `config.specialized(device)`; a staged plan hands the calls its copies cannot take
+    (`_stageable`) to the portable plan of the same shape."""
 
-    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, clusters, coop, dy_terms):
+    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, kernels, dy_terms):
         has_weight = weight_dtype is not None
         self.n = n
         self.has_bias, self.row_sum_kinds = has_bias, 1 if rms else 2  # LayerNorm: two sums per row
         self.num_grads = int(has_weight) + int(has_bias)
         self.grad_dtype = weight_dtype if has_weight else torch.float32
         param_size = weight_dtype.itemsize if has_weight else 2
-        self.cfg = config.bwd_config(n, self.num_grads, param_size, rms, clusters, coop)
+        self.cfg = config.bwd_config(n, self.num_grads, param_size, rms, kernels)
         self.sms = config.sm_count(device)
-        if isinstance(self.cfg, config.StagedConfig) and not (config.staged(device) and self._staged_fits()):
-            self.cfg = config.bwd_config(n, self.num_grads, param_size, rms, clusters, config.without_staged(coop))
-            if isinstance(self.cfg, config.StagedConfig):  # a forced config (tests, sweeps)
-                self.cfg = config.BWD_SPLIT
-        interpreted = not isinstance(coop_bwd_kernel, JITFunction)
-        if isinstance(self.cfg, config.CoopBwdConfig) and not config.coop_fits(self.cfg, n, self.sms, interpreted):
-            self.cfg = config.BWD_SPLIT
-        # what the staged backward's 16-byte copies cannot take goes to the plan without it (_stageable)
-        self.wide_rows = functools.partial(_plan, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device,
-                                           clusters, config.without_staged(coop), dy_terms)
         flags = dict(IS_RMS=rms, HAS_WEIGHT=has_weight, ZERO_CENTERED=zero_centered)
         if isinstance(self.cfg, config.StagedConfig):
             from .norm_bwd_staged import EXCHANGE_RING, exchange_words, stage_weight, staged_slices_bwd_kernel
 
             cfg = self.cfg
+            self.portable = functools.partial(_plan, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device,
+                                              "", dy_terms)
             self.slices = config.cdiv(n, cfg.slice_n)
             self.exchange_words = exchange_words
-            self.staged = Launcher(staged_slices_bwd_kernel, cfg.num_warps, cooperative=True, replayable=False,
-                                   derived=(6, 7), HAS_BIAS=has_bias, HAS_DZ=has_dz, VEC=cfg.vec,
-                                   CHUNKS=cfg.slice_n // cfg.chunk,
+            self.staged = Launcher(staged_slices_bwd_kernel, cfg.num_warps, cooperative=True, derived=(6, 7),
+                                   HAS_BIAS=has_bias, HAS_DZ=has_dz, VEC=cfg.vec, CHUNKS=cfg.slice_n // cfg.chunk,
                                    STAGE_W=stage_weight(cfg.slice_n, cfg.chunk,
                                                         weight_dtype.itemsize if has_weight else 0, cfg.slots),
                                    SLICES=config.next_pow2(self.slices), RING=EXCHANGE_RING, SLOTS=cfg.slots, **flags)
-        elif isinstance(self.cfg, config.CoopBwdConfig):
-            cfg = self.cfg
-            self.slices = config.cdiv(n, cfg.slice_n)
-            self.coop = Launcher(coop_bwd_kernel, cfg.num_warps, cooperative=cfg.cooperative, replayable=False,
-                                 HAS_BIAS=has_bias, HAS_DZ=has_dz, BLOCK_M=cfg.block_m, SLICE_N=cfg.slice_n,
-                                 SLICES=config.next_pow2(self.slices), LOOKAHEAD=cfg.lookahead, RING=RING, **flags)
         elif isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx
             self.sum_tiles = config.cdiv(n, sums.block_n)
@@ -253,26 +236,14 @@ class _BwdPlan:
             fused = dict(derived=(*unused_dy, 8, 9, 10), HAS_BIAS=has_bias, HAS_DZ=has_dz, DY_TERMS=dy_terms,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
                          HOIST_PARAMS=cfg.hoist_params, **flags)
-            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, DIRECT_GRADS=False, **fused)
-            self.direct = Launcher(norm_bwd_kernel, cfg.num_warps, cfg.num_ctas, DIRECT_GRADS=True, **fused)
+            self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, DIRECT_GRADS=False, **fused)
+            self.direct = Launcher(norm_bwd_kernel, cfg.num_warps, DIRECT_GRADS=True, **fused)
         self.split = isinstance(self.cfg, config.SplitBwdConfig)
         self.one_pass = isinstance(self.cfg, config.TileConfig)
         self.grids = {}  # M -> _grid(M), host time per call (bounded: MAX_CACHED_M)
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
         self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
-
-    def _staged_fits(self) -> bool:
-        """The staged backward's slices in shared memory for bf16/fp16 rows (2 bytes each of x and dy: its vec of
-        8 makes 16-byte copies), whole chunks per slice in each row slot, every slice's program resident, for a
-        norm with parameter grads (it writes partials); N a multiple of 16, as Triton must know to compile
-        16-byte copies of whole rows."""
-        from .norm_bwd_staged import fits
-
-        cfg = self.cfg
-        return (self.num_grads > 0 and self.n % 16 == 0 and cfg.slice_n > 0 and cfg.slice_n % cfg.chunk == 0 and
-                config.cdiv(self.n, cfg.slice_n) <= self.sms and
-                fits(cfg.slice_n, cfg.chunk, 2 * cfg.slots, 2 * cfg.slots, self.num_grads))  # slots: wider rows
 
     # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
     # left out of the launch keys; their dtypes are fixed by src and the plan.
@@ -288,9 +259,10 @@ class _BwdPlan:
 
     def __call__(self, dy, dz, src, weight, mean, rstd, dy_terms=()):
         M, N = src.shape
-        if isinstance(self.cfg, config.StagedConfig) and not (M and _stageable(src, dy, weight, dy_terms)):
-            return self.wide_rows()(dy, dz, src, weight, mean, rstd, dy_terms)  # (no rows: zero partials there)
-        if dy_terms and not self.one_pass:  # long rows: the split and cooperative kernels read one dy (fp32)
+        staged = isinstance(self.cfg, config.StagedConfig)
+        if staged and not (M and _stageable(src, dy, weight, dy_terms)):
+            return self.portable()(dy, dz, src, weight, mean, rstd, dy_terms)  # (no rows: zero partials there)
+        if dy_terms and not self.one_pass:  # long rows: the split kernels read one dy (fp32)
             dy = sum((t.float() for t in dy_terms), dy.float())
         device = src.device
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
@@ -302,16 +274,10 @@ class _BwdPlan:
         partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) \
             if num_grads and not direct else None
         dz_stride = dz.stride()[0] if dz is not None else 0
-        if isinstance(self.cfg, config.StagedConfig):
+        if staged:
             exchange = self.exchange_words(device, torch.cuda.current_stream(device).cuda_stream, self.sms)
             self.staged((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange,
                         src.stride()[0], dy.stride()[0], dz_stride, M, N)
-        elif isinstance(self.cfg, config.CoopBwdConfig):
-            cfg = self.cfg
-            stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-            exchange, counters = workspace(device, stream, self.sms * cfg.programs_per_sm, cfg.block_m)
-            self.coop((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange, counters,
-                      src.stride()[0], dy.stride()[0], dz_stride, M, N)
         elif self.split:
             row_sums = torch.empty((self.row_sum_kinds, M, self.sum_tiles), dtype=torch.float32, device=device)
             if M or num_grads:

@@ -189,9 +189,11 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     the result of the allocating call)."""
     check_out(x, y)
     device = x.device
+    n = x.shape[1]
     param = weight if weight is not None else bias
-    plan = _plan(x.shape[1], param.element_size() if param is not None else 2, weight is not None, bias is not None,
-                 residual is not None, rms, zero_centered, device, config.use_clusters(device, rms))
+    kernels = config.specialized(device) if n > config.MAX_FUSED_N_FWD else ""
+    plan = _plan(n, param.element_size() if param is not None else 2, weight is not None, bias is not None,
+                 residual is not None, rms, zero_centered, device, kernels)
     return plan(x, weight, bias, residual, eps, y)
 
 
@@ -207,32 +209,34 @@ _OUTPUTS = (4, 5, 6, 7)  # Y, Z, MEAN, RSTD: allocated by _FwdPlan, dtypes fixed
 
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, param_size: int, has_weight: bool, has_bias: bool, has_residual: bool, rms: bool,
-          zero_centered: bool, device, clusters: bool) -> "_FwdPlan":
-    return _FwdPlan(n, param_size, has_weight, has_bias, has_residual, rms, zero_centered, device, clusters)
+          zero_centered: bool, device, kernels: str = "") -> "_FwdPlan":
+    return _FwdPlan(n, param_size, has_weight, has_bias, has_residual, rms, zero_centered, device, kernels)
 
 
 class _FwdPlan:
     """The forward's launch for one N, parameter size, variant and device, chosen once (see
-    norm_bwd's _BwdPlan)."""
+    norm_bwd's _BwdPlan). kernels: `config.specialized(device)`; "staged" adds the staged forward for
+    rows longer than MAX_FUSED_N_FWD; calls whose rows or parameters its copies cannot take
+    (`config.staged_rows`, `_stageable_params`) run the portable kernel."""
 
-    def __init__(self, n, param_size, has_weight, has_bias, has_residual, rms, zero_centered, device, clusters):
+    def __init__(self, n, param_size, has_weight, has_bias, has_residual, rms, zero_centered, device, kernels=""):
         self.rms = rms
-        self.cfg = cfg = config.fwd_config(n, param_size, has_bias, clusters)
+        self.cfg = cfg = config.fwd_config(n, param_size, has_bias)
         self.sms = config.sm_count(device)
         self.programs = {}  # M -> programs to launch, host time per call (bounded: MAX_CACHED_M)
-        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, cfg.num_ctas, derived=_OUTPUTS, IS_RMS=rms,
+        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, derived=_OUTPUTS, IS_RMS=rms,
                                HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual,
                                ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
                                PERSISTENT=cfg.programs_per_sm > 0)
         self.staged = None  # rows too long for registers, staged in shared memory (norm_fwd_staged.py)
-        if n > config.MAX_FUSED_N_FWD and n % 16 == 0 and not has_residual and config.staged_fwd(device):
+        if kernels == "staged" and n > config.MAX_FUSED_N_FWD and n % 16 == 0 and not has_residual:
             from .norm_fwd_staged import fits, param_chunks, staged_fwd_kernel
 
             staged = config.STAGED_FWD
             if fits(n, staged.chunk, 2):
                 held = 0 if rms else param_chunks(n, staged.chunk, 2, param_size, has_weight + has_bias)
-                self.staged = Launcher(staged_fwd_kernel, staged.num_warps, replayable=False, derived=(3, 4, 5),
+                self.staged = Launcher(staged_fwd_kernel, staged.num_warps, derived=(3, 4, 5),
                                        IS_RMS=rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
                                        ZERO_CENTERED=zero_centered, VEC=staged.vec,
                                        CHUNKS=config.cdiv(n, staged.chunk), PARAM_CHUNKS=held,
