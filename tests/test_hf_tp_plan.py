@@ -160,12 +160,17 @@ def _accelerate_loop(rank, path):
               f" shardnorm {[round(v, 6) for v in losses]}\n stock {[round(v, 6) for v in stock]}")
 
 
+def _users_hook(module, grad_input, grad_output):
+    pass
+
+
 def _body(rank, world, root):
     from transformers import AutoModelForCausalLM
 
     from transformers import DistributedConfig
 
     import shardnorm
+    from shardnorm.conversion import NormWrapperError
     from shardnorm.integrations.transformers import REPLICATED_NORM_STYLE, convert_model
 
     for i, shape in enumerate(SHAPES):
@@ -195,6 +200,17 @@ def _body(rank, world, root):
                 tp_plan={f"model.layers.*.self_attn.{n}": REPLICATED_NORM_STYLE for n in ("q_norm", "k_norm")}))
             with pytest.raises(RuntimeError, match=f"{REPLICATED_NORM_STYLE}.*convert_model"):
                 _loss(ours, batches[0])
+            # a user's backward hook on a norm is not transformers' to drop: conversion refuses, naming it
+            q_norm = ours.model.layers[0].self_attn.q_norm
+            handle = q_norm.register_full_backward_hook(_users_hook)
+            with pytest.raises(NormWrapperError, match=r"self_attn\.q_norm .*a backward hook \(_users_hook\)"):
+                convert_model(ours)
+            handle.remove()
+        ours = convert_model(ours)
+        # a user's backward hook on a converted norm fires, also after a second convert_model (as
+        # enable(trainer) after convert_model runs it), which takes nothing over twice
+        fired = []
+        ours.model.layers[1].self_attn.k_norm.register_full_backward_hook(lambda m, gi, go: fired.append(m))
         ours = convert_model(ours)
         counter = _AllReduceCounter()
         with counter.counting():
@@ -204,6 +220,7 @@ def _body(rank, world, root):
             _loss(ours, batches[1]).backward()
             shardnorm.finalize_grads(ours)  # a no-op: the last backward reduced already
         ours_grads = _norm_grads(ours)
+        assert len(fired) == MICRO and fired[0] is ours.model.layers[1].self_attn.k_norm, fired
 
         qk = [n for n in expected if "q_norm" in n or "k_norm" in n]
         assert len(qk) == 4 and len(expected) == 9, sorted(expected)

@@ -141,9 +141,16 @@ def _is_transformers_hook(hook) -> bool:
     return (getattr(hook, "__module__", None) or "").split(".")[0] == "transformers"
 
 
+def _in_tensor_parallel_mode(module: nn.Module) -> bool:
+    """A shardnorm norm that `_apply_norm_mode` put in a tensor-parallel mode (its params are marked)."""
+    return isinstance(module, (LayerNorm, RMSNorm)) and \
+        any(getattr(p, "sequence_parallel", False) for p in module.parameters(recurse=False))
+
+
 def _take_tp_norms(model: nn.Module) -> dict:
-    """{module name: kind} of the norms that carry a tensor-parallel norm style, with transformers'
-    wrappers taken off so `convert` sees a plain norm. Any other style on a norm raises (naming it)."""
+    """{module name: kind} of the norms that carry a tensor-parallel norm style and are not in shardnorm's
+    mode yet, with transformers' wrappers and hooks taken off so `convert` sees a plain norm (a hook of
+    anyone else's stays, and `convert` refuses to drop it). Any other style on a norm raises (naming it)."""
     plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
     if not plan or (getattr(model, "_tp_size", None) or 1) <= 1:
         return {}
@@ -159,6 +166,8 @@ def _take_tp_norms(model: nn.Module) -> dict:
         if kind is None:
             raise ValueError(f"shardnorm: tp_plan style {style!r} on norm {name!r} is not one shardnorm can honour; "
                              f"norms take one of {sorted(KIND_OF_STYLE)}")
+        if _in_tensor_parallel_mode(module):  # taken over by an earlier convert_model: nothing left to take
+            continue
         for pname, param in module.named_parameters(recurse=False):
             if has_post_accumulate_grad_hooks(param):
                 raise RuntimeError(f"shardnorm: {name}.{pname} already has transformers' per-micro-batch grad "
@@ -206,13 +215,14 @@ def convert_model(model: nn.Module, *, accelerator=None, deepspeed_config: dict 
 
 
 def _convert(model, accelerator, deepspeed_config, bucket_cap_mb) -> tuple[nn.Module, int]:
-    """convert_model, also returning how many norms took a tensor-parallel mode."""
+    """convert_model, also returning how many norms are in a tensor-parallel mode (now or from an earlier call:
+    `enable(trainer)` after `convert_model(model)` converts nothing twice and keeps the reducer)."""
     if deepspeed_config is None and accelerator is not None:
         deepspeed_config = deepspeed_config_of(accelerator)
     tp_norms = _take_tp_norms(model)
     model = _convert_norms(model, deepspeed_config)
     if not tp_norms:
-        return model, 0
+        return model, sum(_in_tensor_parallel_mode(m) for m in model.modules())
     mesh = _tp_mesh(model)
     for name, kind in tp_norms.items():
         module = model.get_submodule(name)
@@ -221,7 +231,7 @@ def _convert(model, accelerator, deepspeed_config, bucket_cap_mb) -> tuple[nn.Mo
                              f"needs shardnorm's norm to honour its tensor-parallel style")
         _apply_norm_mode(module, kind, mesh)
     attach_reducer(model, bucket_cap_mb=bucket_cap_mb)
-    return model, len(tp_norms)
+    return model, sum(_in_tensor_parallel_mode(m) for m in model.modules())
 
 
 # ---- accumulation ----------------------------------------------------------------------------------------
