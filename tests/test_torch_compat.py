@@ -87,6 +87,52 @@ def test_parallel_style_extension_point():
     assert "_apply" in getattr(ParallelStyle, "__abstractmethods__", ()), _gone("ParallelStyle._apply")
 
 
+def test_module_hooks_listed_and_backward_hooks_removed_by_owner():
+    """The hook dicts of nn.Module list every hook by kind; removing the backward hooks one owner installed
+    leaves the others registered and firing; a parameter shows its post-accumulate-grad hooks."""
+    module, fired = nn.Linear(4, 4), []
+
+    def theirs(m, grad_input, grad_output):
+        fired.append("theirs")
+
+    def ours(m, grad_input, grad_output):
+        fired.append("ours")
+
+    module.register_forward_pre_hook(lambda m, args: None)
+    module.register_forward_hook(lambda m, args, out: None)
+    module.register_full_backward_hook(theirs)
+    module.register_full_backward_hook(ours)
+    kinds = [kind for kind, _ in compat.module_hooks(module)]
+    assert kinds == ["forward pre-hook", "forward hook", "backward hook", "backward hook"], _gone(
+        f"nn.Module hook dicts (listed {kinds})")
+    assert compat.remove_module_backward_hooks(module, installed_by=lambda hook: hook is theirs) == 1
+    module(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert fired == ["ours"], _gone(f"nn.Module._backward_hooks (fired {fired})")
+    assert [h for kind, h in compat.module_hooks(module) if kind == "backward hook"] == [ours]
+    assert not compat.has_post_accumulate_grad_hooks(module.weight)
+    module.weight.register_post_accumulate_grad_hook(lambda p: None)
+    assert compat.has_post_accumulate_grad_hooks(module.weight), _gone("Tensor._post_accumulate_grad_hooks")
+
+
+def _device_meshes(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(DEVICE, (1, 1, world_size), mesh_dim_names=("replicate", "shard", "cp"))
+    flat = compat.flatten_mesh(mesh[("shard", "cp")], "shard_cp")
+    assert flat.ndim == 1 and flat.size() == world_size and mesh["shard_cp"].size() == world_size, _gone(
+        "DeviceMesh._flatten")
+    hsdp = compat.concatenate_meshes([mesh["replicate"], flat])
+    assert hsdp.ndim == 2 and hsdp.mesh_dim_names == ("replicate", "shard_cp"), _gone(
+        f"DeviceMesh._concatenate (dims {hsdp.mesh_dim_names})")
+
+
+@pytest.mark.distributed
+def test_device_mesh_flatten_and_concatenate():
+    """Several mesh dims flattened into one (FSDP over dp_shard x cp), and HSDP's 2-D mesh built from a
+    replicate dim and that flattened dim."""
+    spawn(_device_meshes, 1)
+
+
 def _fsdp2_state(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
