@@ -30,7 +30,7 @@ rm -f "$STAMP"
 if [[ "$MODE" == cpu ]]; then
   [[ -x "$VENV/bin/python" ]] || "$BASE_PYTHON" -m venv "$VENV"
   CONSTRAINTS="$ROOT/constraints.txt"
-  PIP=("$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS")
+  PIP=("$VENV/bin/python" -m pip install -qq -c "$CONSTRAINTS")
   "${PIP[@]}" torch triton
 else
   if [[ ! -x "$VENV/bin/python" ]]; then
@@ -40,13 +40,19 @@ else
   fi
   CONSTRAINTS="$VENV/constraints.txt"
   "$BASE_PYTHON" "$ROOT/launch/gpu_constraints.py" "$ROOT/constraints.txt" > "$CONSTRAINTS"
-  PIP=("$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS")
+  PIP=("$VENV/bin/python" -m pip install -qq -c "$CONSTRAINTS")
   if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
     PIP+=(--find-links "$ROOT/.whl")
   fi
-  # with the machine's setuptools the editable build needs no registry
-  if "$VENV/bin/python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" \
-      2>/dev/null; then
+  # where the machine's setuptools can build an editable wheel (64+, with `wheel` before 70.1), the build
+  # needs no registry
+  if "$VENV/bin/python" - 2>/dev/null <<'PY'
+import importlib.util, sys
+import setuptools
+version = tuple(int(part) for part in setuptools.__version__.split(".")[:2])
+sys.exit(0 if version >= (70, 1) or (version >= (64, 0) and importlib.util.find_spec("wheel")) else 1)
+PY
+  then
     PIP+=(--no-build-isolation)
   fi
 fi
