@@ -1,8 +1,12 @@
 """shardnorm: fused Triton LayerNorm / RMSNorm for distributed training."""
 
-from .conversion import convert
-from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm
-from .modules import LayerNorm, RMSNorm
+from . import versions as _versions
+
+_versions.check_installed()  # an unsupported torch or Triton stops here, named, before anything uses it
+
+from .conversion import convert  # noqa: E402
+from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm  # noqa: E402
+from .modules import LayerNorm, RMSNorm  # noqa: E402
 
 __all__ = ["LayerNorm", "RMSNorm", "accumulate", "add_layer_norm", "add_rms_norm", "convert", "finalize_grads",
            "layer_norm", "rms_norm"]
