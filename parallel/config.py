@@ -32,6 +32,8 @@ class ModelConfig:
     n_kv_heads: int = 8  # fewer than n_heads: grouped-query attention
     ffn_dim: int = 704  # SwiGLU hidden size
     norm_eps: float = 1e-5
+    # false: shardnorm's norms recompute their outputs in backward instead of keeping them (train.norm = shardnorm)
+    norm_keep_output: bool = True
     rope_theta: float = 10000.0
     max_seq_len: int = 512
     tie_embeddings: bool = False
@@ -198,6 +200,8 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.profile_step <= t.steps, "train.profile_step",
            f"must be 0 (off) or a step number up to train.steps ({t.steps}), got {t.profile_step}")
     _check(p.timeout_s > 0, "parallel.timeout_s", f"must be positive, got {p.timeout_s}")
+    _check(m.norm_keep_output or t.norm == "shardnorm", "model.norm_keep_output",
+           f"false needs train.norm = shardnorm (torch's norms keep their outputs), got train.norm = {t.norm}")
     c = cfg.checkpoint
     for key, value in [("checkpoint.every", c.every), ("checkpoint.keep_last", c.keep_last)]:
         _check(value >= 0, key, f"must not be negative, got {value}")

@@ -101,6 +101,10 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, VOCAB_SIZE, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        if not cfg.norm_keep_output:
+            for module in self.modules():
+                if isinstance(module, shardnorm.RMSNorm):
+                    module.keep_output = False
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

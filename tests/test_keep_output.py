@@ -329,3 +329,136 @@ def test_hf_llama_bitwise(gradient_checkpointing):
     # the layers run under the checkpoint: nothing to release (the checkpoint keeps none of them)
     assert on[2] == ([0, 0] if gradient_checkpointing else [4, 4])
     assert off[2] == [0, 0]
+
+
+def test_nothing_released_when_no_consumer_saves_the_output():
+    """A consumer that saves no copy of y (relu saves its result): y is gone at the parent's return."""
+    import weakref
+
+    from shardnorm._torch_compat import view_base
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = shardnorm.RMSNorm(H, keep_output=False)
+
+        def forward(self, x):
+            return x + torch.relu(self.norm(x))
+
+    refs = []
+    parent = Parent()
+    parent.norm.register_forward_hook(lambda m, a, y: refs.append(weakref.ref(view_base(y))))
+    x = torch.randn(4, H, requires_grad=True)
+    out = parent(x)
+    assert refs[0]() is None
+    out.sum().backward()
+    expected = torch.autograd.grad(torch.relu(torch.nn.functional.rms_norm(x, (H,), parent.norm.weight,
+                                                                           torch.finfo(torch.float32).eps)).sum(), x)[0]
+    assert ((x.grad - 1 - expected).norm() / expected.norm()).item() < 1e-5
+
+
+def test_compat_entries():
+    from shardnorm import _torch_compat
+
+    t = torch.zeros(4)
+    v = t.view(2, 2)
+    assert _torch_compat.view_base(v) is t and _torch_compat.view_base(t) is t
+    before = _torch_compat.tensor_version(t)
+    v.add_(1)
+    assert _torch_compat.tensor_version(t) == before + 1
+    assert not _torch_compat.saved_tensors_hooks_active()
+    with torch.autograd.graph.save_on_cpu():
+        assert _torch_compat.saved_tensors_hooks_active()
+    assert not _torch_compat.functorch_transforms_active()
+    assert torch.func.vmap(lambda a: a * 0 + _torch_compat.functorch_transforms_active())(t).all()
+
+
+# ---- the main job's model: single process, DTensor sequence parallel and FSDP2 on 2 gloo ranks -----------------
+
+def _main_job_model(keep: bool, seed: int):
+    from parallel.config import ModelConfig
+    from parallel.model import build_model
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32, norm_keep_output=keep)
+    return build_model(cfg, "shardnorm", torch.device("cpu"), seed)
+
+
+def test_main_job_model_bitwise():
+    def run(keep):
+        model = _main_job_model(keep, seed=1)
+        _perturb(model, 1)
+        outputs = _outputs_of(model)
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens).float().square().mean()
+        released = _released_count(outputs)
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()], released
+
+    (loss_off, grads_off, released_off), (loss_on, grads_on, released_on) = run(True), run(False)
+    assert torch.equal(loss_off, loss_on) and all(torch.equal(a, b) for a, b in zip(grads_off, grads_on))
+    assert (released_off, released_on) == (0, 5)  # 2 blocks x 2 norms and the final norm (lm head in the parent)
+
+
+def test_main_job_config_key():
+    from parallel.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match="model.norm_keep_output"):
+        load("configs/tiny_cpu.toml", ["model.norm_keep_output=false", "train.norm=\"torch\""])
+    assert load("configs/tiny_cpu.toml", ["model.norm_keep_output=false"]).model.norm_keep_output is False
+
+
+def _distributed_steps(rank, world_size, seed):
+    import weakref
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from parallel.config import TrainConfig
+    from parallel.engines import TorchEngine
+    from parallel.parallelize import parallelize, uses_norm_reducer
+    from shardnorm._torch_compat import view_base
+
+    for dp, tp in ((2, 1), (1, 2)):  # FSDP2 over 2 ranks; tensor + sequence parallel (DTensor norms) over 2
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        runs = {}
+        for keep in (True, False):
+            train = TrainConfig(norm="shardnorm", grad_accum=2, max_grad_norm=1.0)
+            model = _main_job_model(keep, seed)
+            engine = TorchEngine(parallelize(model, mesh, train), train, norm_reducer=uses_norm_reducer("shardnorm", tp))
+            refs, released = [], []
+
+            def capture(module, args, y):
+                local = y.to_local() if isinstance(y, DTensor) else y
+                refs.append(weakref.ref(view_base(local[0] if isinstance(local, tuple) else local)))
+
+            def count(module, args, output):  # after the root's forward: every parent has returned
+                released.append(sum(r() is not None and r().untyped_storage().nbytes() == 0 for r in refs))
+                refs.clear()
+
+            for m in model.modules():
+                if isinstance(m, shardnorm.RMSNorm):
+                    m.register_forward_hook(capture)
+            model.register_forward_hook(count)
+            g = torch.Generator().manual_seed(seed + (rank if dp > 1 else 0))
+            losses = []
+            for _ in range(2):
+                micro = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
+                         for _ in range(train.grad_accum)]
+                losses.append(engine.step(micro))
+            params = [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+            runs[keep] = losses, params, released
+        (losses_off, params_off, released_off), (losses_on, params_on, released_on) = runs[True], runs[False]
+        assert losses_off == losses_on, (dp, tp, losses_off, losses_on)
+        for a, b in zip(params_off, params_on):
+            assert torch.equal(a, b), (dp, tp)
+        assert released_off == [0] * 4
+        # FSDP2: every norm output released (2 blocks x 2 + final); sequence parallel: the matmuls save the
+        # all-gathered input, not the norm's shard, so there is nothing to release (and nothing recomputed)
+        assert released_on == ([5] * 4 if tp == 1 else [0] * 4), (dp, tp, released_on)
+
+
+@pytest.mark.distributed
+def test_fsdp2_and_sequence_parallel_bitwise():
+    from spawn_ranks import spawn
+
+    spawn(_distributed_steps, 2, 3)

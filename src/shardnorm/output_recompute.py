@@ -148,36 +148,41 @@ def _leave(module, args, *kwargs_and_output):
 # ---- one norm output ------------------------------------------------------------------------------------------
 
 class _Output:
-    """A norm output whose storage may be released, with what recomputing it takes (local tensors for DTensors)."""
+    """A norm output whose storage may be released, with what recomputing it takes (local tensors for DTensors).
 
-    __slots__ = ("owner", "y", "src", "weight", "bias", "eps", "rms", "zero_centered", "n", "y_version",
+    The output is held weakly, through the tensor its views share (the kernel's [M, N] result): when nothing
+    saved it or a view of it (sequence parallel's matmuls save the all-gathered tensor, not the norm's shard),
+    it is gone by the parent's return and there is nothing to release or recompute."""
+
+    __slots__ = ("owner", "base", "src", "weight", "bias", "eps", "rms", "zero_centered", "n", "y_version",
                  "src_version", "nbytes", "released")
 
-    def __init__(self, owner, y, src, weight, bias, eps, rms, zero_centered, n):
-        self.owner, self.y, self.src, self.weight, self.bias = owner, y, src, weight, bias
+    def __init__(self, owner, base, src, weight, bias, eps, rms, zero_centered, n):
+        self.owner, self.base, self.src, self.weight, self.bias = owner, weakref.ref(base), src, weight, bias
         self.eps, self.rms, self.zero_centered, self.n = eps, rms, zero_centered, n
-        self.y_version, self.src_version = _torch_compat.tensor_version(y), _torch_compat.tensor_version(src)
+        self.y_version, self.src_version = _torch_compat.tensor_version(base), _torch_compat.tensor_version(src)
         self.nbytes, self.released = 0, False
 
     def name(self) -> str:
         return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
 
-    def release(self) -> None:
-        version = _torch_compat.tensor_version(self.y)
+    def release(self, y: Tensor) -> None:
+        version = _torch_compat.tensor_version(y)
         if version != self.y_version:
             raise KeepOutputError(
                 f"{self.name()}: its output was modified in place after the norm's forward (version "
                 f"{self.y_version} -> {version}); the backward would recompute it without that change. Keep this "
                 "norm's output (keep_output=True) or modify a copy.")
-        storage = self.y.untyped_storage()
+        storage = y.untyped_storage()
         self.nbytes = storage.nbytes()
         storage.resize_(0)
         self.released = True
 
     def refill(self) -> None:
-        if not self.released:
+        y = self.base()
+        if not self.released or y is None:  # nothing holds the output any more: no backward reads it
             return
-        version = _torch_compat.tensor_version(self.y)
+        version = _torch_compat.tensor_version(y)
         if version != self.y_version:
             raise KeepOutputError(f"{self.name()}: its output was written to after its storage was released "
                                   f"(version {self.y_version} -> {version})")
@@ -190,10 +195,9 @@ class _Output:
                     f"{self.name()}: its {what} is not materialized when the output is recomputed (storage freed: "
                     "e.g. an FSDP unit or ZeRO-3 partition holding the norm's parameters alone, gathered only "
                     "when backward reaches the norm). Keep this norm's output (keep_output=True).")
-        storage = self.y.untyped_storage()
+        storage = y.untyped_storage()
         storage.resize_(self.nbytes)
         self.released = False
-        y = self.y
         # A tensor of its own over y's storage: writing through it leaves y's version counter (which the saved
         # copies of y are checked against) as it is.
         into = y.new_empty(0).set_(storage, y.storage_offset(), (y.numel() // self.n, self.n), (self.n, 1))
@@ -230,12 +234,13 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
         y, src, weight, bias = local
     elif not _plain(y, src, weight, bias):
         return
-    if not y.is_contiguous() or y.numel() == 0:
+    base = _torch_compat.view_base(y)  # y may be a view ([..., N] of the kernel's [M, N])
+    if not base.is_contiguous() or base.numel() != y.numel() or y.numel() == 0:
         return
     frame = stack[depth]
     if frame.pending is None:
         frame.pending = []
-    frame.pending.append(_Output(owner, y, src, weight, bias, float(eps), rms, zero_centered, n))
+    frame.pending.append(_Output(owner, base, src, weight, bias, float(eps), rms, zero_centered, n))
 
 
 _PLAIN = (Tensor, torch.nn.Parameter, type(None))
@@ -308,9 +313,10 @@ def _release(pending: list, args, kwargs, output) -> None:
         kept = {_storage_key(t) for t in outputs}
     released = []
     for out in pending:
-        if _storage_key(out.y) in kept:  # y is (part of) the parent's output: its readers are outside
+        y = out.base()
+        if y is None or _storage_key(y) in kept:  # nothing holds y; or y is (part of) the parent's output
             continue
-        out.release()
+        out.release(y)
         released.append(out)
     if not released:
         return
