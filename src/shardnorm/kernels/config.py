@@ -314,7 +314,8 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
 # One-pass backwards of at most this many elements (M * N) take every row in one program, which
 # stores dgamma/dbeta itself: no fp32 partial buffer and no column-sum launch, i.e. an allocation and
 # a launch less of host time, the whole cost at such sizes (NOTES.md v15: backward alone 35.7 -> 32.2 us
-# for RMSNorm 8 x 4096 bf16 on CPU with a stubbed launch, pointers as ints included; `python benchmarks/host_time.py --shapes 8x4096`).
+# for RMSNorm 8 x 4096 bf16 on CPU with a stubbed launch, pointers as ints included;
+# `python benchmarks/host_time.py --shapes 8x4096`).
 # One program walking 8 x 4096 bf16 (128 KB of x and dy) is a few us of GPU time.
 DIRECT_GRADS_MAX_ELEMENTS = 32768
 
