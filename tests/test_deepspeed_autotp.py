@@ -81,6 +81,7 @@ def _counting_all_reduce(counter: list):
 def _train(rank, world_size, device, seed, stage, grad_reduce) -> int:
     """Train and compare with plain torch; returns the number of all-reduces the training issued."""
     import shardnorm.integrations.deepspeed as sd
+    from shardnorm.distributed import reducer_of
 
     config = _config(stage, grad_reduce, world_size)
     model = qk_norm_model(seed).to(device)
@@ -88,6 +89,9 @@ def _train(rank, world_size, device, seed, stage, grad_reduce) -> int:
     reference, ref_losses = train_reference(model, config, batches, device, _sgd)
 
     engine, *_ = sd.initialize(model=model, config=config, optimizer=_sgd(model.parameters()))
+    # the reducer lives on the model like every other source's, where shardnorm.finalize_grads looks
+    reducer = reducer_of(engine.module)
+    assert (reducer is not None) == (grad_reduce == "step"), reducer
     counter = [0]
     original, dist.all_reduce = _counting_all_reduce(counter)
     try:
@@ -103,6 +107,8 @@ def _train(rank, world_size, device, seed, stage, grad_reduce) -> int:
         dist.all_reduce = original
 
     case = f"stage {stage}, grad_reduce {grad_reduce}"
+    if reducer is not None:
+        assert reducer.collectives == STEPS, f"{case}: {reducer.collectives} reducer all-reduces in {STEPS} steps"
     for i, (got, want) in enumerate(zip(losses, ref_losses)):
         assert abs(got - want) <= TOL * abs(want), f"{case}: micro-batch {i} loss {got} vs torch {want}"
     got, want = full_params(engine.module), dict(reference.named_parameters())
