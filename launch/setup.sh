@@ -3,7 +3,9 @@
 # test, train and framework extras at the versions in constraints.txt. Quiet, and quick when .venv is up to
 # date (the launchers and tests/run.sh call it every time).
 #   Without a GPU (CI): a venv of its own, no site-packages of the machine; torch and triton go in first,
-#     so that no dependency range pulls a CUDA build of torch (several GB) from the registry.
+#     so that no dependency range pulls a CUDA build of torch (several GB) from the registry. The pin,
+#     torch==2.13.0, takes the CPU build (2.13.0+cpu) wherever pip is offered one: here the machine's wheel
+#     directory; elsewhere PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 #   With a GPU (nvidia-smi): the venv sees the machine's packages (--system-site-packages) and keeps the
 #     preinstalled torch, triton and transformers as they are (launch/gpu_constraints.py); the pins apply to
 #     what the machine lacks. Wheels in .whl/ are offered too (for a machine without a registry).
