@@ -17,9 +17,9 @@ BASE_PYTHON=${BASE_PYTHON:-python3}
 EXTRAS=${SHARDNORM_EXTRAS:-test,train,deepspeed,hf,torchtitan,lightning}
 if command -v nvidia-smi >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
 
-# what .venv was last set up for: the mode, the extras and the pins; nothing to do while they stand
+# what .venv was last set up for: the mode, the extras, the pins and this script; nothing to do while they stand
 STAMP="$VENV/.shardnorm-setup"
-WANT="$MODE $EXTRAS $(cat "$ROOT/constraints.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+WANT="$MODE $EXTRAS $(cat "$ROOT/constraints.txt" "$ROOT/pyproject.toml" "$ROOT/launch/setup.sh" | sha256sum | cut -c1-16)"
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   exit 0
 fi
