@@ -462,3 +462,108 @@ def test_fsdp2_and_sequence_parallel_bitwise():
     from spawn_ranks import spawn
 
     spawn(_distributed_steps, 2, 3)
+
+
+# ---- integrations: Hugging Face adapter and Trainer, DeepSpeed section and ZeRO-3, torchtitan converter -------
+
+def test_hf_convert_model_and_trainer_bitwise(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from shardnorm.integrations.transformers import convert_model, enable
+
+    model = convert_model(_llama(True, False, seed=1), keep_output=False)
+    norms = [m for m in model.modules() if isinstance(m, shardnorm.RMSNorm)]
+    assert len(norms) == 5 and not any(m.keep_output for m in norms)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    def train(keep):
+        torch.manual_seed(4)
+        model = transformers.LlamaForCausalLM(__import__("hf_tiny").tiny_config("llama")).float()
+        args = transformers.TrainingArguments(str(tmp_path / f"out{keep}"), per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=2, max_steps=2, use_cpu=True,
+                                              report_to=[], save_strategy="no", logging_steps=1, seed=4,
+                                              dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        enable(trainer, keep_output=keep)
+        assert all(m.keep_output == keep for m in trainer.model.modules() if isinstance(m, shardnorm.RMSNorm))
+        trainer.train()
+        return [p.detach().clone() for p in trainer.model.parameters()]
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b)
+
+
+def test_deepspeed_section_key():
+    from shardnorm.integrations.deepspeed_config import ShardnormConfigError, parse_section
+
+    assert parse_section({"keep_output": False}).keep_output is False
+    assert parse_section({}).keep_output is True
+    with pytest.raises(ShardnormConfigError, match="shardnorm.keep_output"):
+        parse_section({"keep_output": "no"})
+
+
+def test_torchtitan_converter_passes_the_option():
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.common import RMSNorm as TitanRMSNorm
+    from torchtitan.models.llama3 import model_registry
+
+    from shardnorm.integrations.torchtitan import ShardnormConverter, ShardnormRMSNorm
+
+    for keep in (True, False):
+        spec = model_registry("debugmodel", converters=[ShardnormConverter.Config(keep_output=keep)])
+        configs = [cfg for _, cfg, _, _ in spec.model.traverse(TitanRMSNorm.Config, recurse=True)]
+        assert configs and all(type(c) is ShardnormRMSNorm.Config and c.keep_output is keep for c in configs)
+        assert configs[0].build().keep_output is keep
+
+
+def _zero3_steps(rank, world_size, seed):
+    from deepspeed_harness import full_params, load_config, loss_fn, micro_batches, norm_model, use_test_device
+
+    import shardnorm.integrations.deepspeed as sd
+
+    device = use_test_device(rank)
+    runs = {}
+    for keep in (True, False):
+        config = load_config("zero3.json")
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 1  # the norm weights partitioned too
+        config["shardnorm"]["keep_output"] = keep
+        model = norm_model(seed).to(device)
+        engine, *_ = sd.initialize(model=model, config=config, model_parameters=model.parameters())
+        norms = [m for m in engine.module.modules() if isinstance(m, (shardnorm.RMSNorm, shardnorm.LayerNorm))]
+        assert len(norms) == 4 and all(m.keep_output is keep for m in norms)
+        refs, released = [], []
+        prenorm = [m.norm for m in engine.module.modules() if hasattr(m, "fc")]  # parents: PrenormBlock
+        for m in prenorm:
+            m.register_forward_hook(lambda mod, a, y: refs.append(y))
+        losses = []
+        for step in micro_batches(seed + 1, 2, config["gradient_accumulation_steps"], world_size, 4, (8,)):
+            for micro in step:
+                x, target = (t.to(device) for t in micro[rank])
+                loss = loss_fn(engine(x), target)
+                released.append(sum(y.untyped_storage().nbytes() == 0 for y in refs))
+                refs.clear()
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach())
+        runs[keep] = losses, full_params(engine.module), released
+        engine.destroy()
+    (losses_off, params_off, released_off), (losses_on, params_on, released_on) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(losses_off, losses_on))
+    for name in params_off:
+        assert torch.equal(params_off[name], params_on[name]), name
+    assert set(released_off) == {0} and set(released_on) == {2}  # the two PrenormBlocks' norm outputs
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_deepspeed_zero3_bitwise():
+    pytest.importorskip("deepspeed")
+    from spawn_ranks import spawn
+
+    spawn(_zero3_steps, 2, 5)

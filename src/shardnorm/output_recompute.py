@@ -26,8 +26,8 @@ layernorm`, without naming the consumers):
 
 What is detected and raised (`KeepOutputError`): y modified in place between the norm's forward and the
 parent's return (the recompute would lose the change), or after its release; the norm's src modified in
-place, or src / weight / bias not materialized (storage freed: e.g. an FSDP unit holding only the norm, whose
-unshard comes later in backward than the parent's outputs) at the refill.
+place, or its storage freed, before the refill. The weight and bias are copied at the forward (N elements
+each), so FSDP2 / ZeRO-3 freeing the gathered parameters after the forward does not matter.
 What cannot be detected: code that reads y outside autograd after the parent returned and before its
 backward (a forward hook of an outer module that reads it, a cache attribute, a custom autograd Function
 that keeps y on ctx by reference and reads it in a backward that does not come after the parent's outputs):
@@ -150,15 +150,18 @@ def _leave(module, args, *kwargs_and_output):
 class _Output:
     """A norm output whose storage may be released, with what recomputing it takes (local tensors for DTensors).
 
-    The output is held weakly, through the tensor its views share (the kernel's [M, N] result): when nothing
-    saved it or a view of it (sequence parallel's matmuls save the all-gathered tensor, not the norm's shard),
-    it is gone by the parent's return and there is nothing to release or recompute."""
+    The output is held weakly, through its storage: when nothing saved it, a view or an alias of it (sequence
+    parallel's matmuls save the all-gathered tensor, not the norm's shard), the storage is gone by the parent's
+    return and there is nothing to release or recompute. The tensor itself (for its version counter, which its
+    views and detached aliases share) is held weakly too."""
 
-    __slots__ = ("owner", "base", "src", "weight", "bias", "eps", "rms", "zero_centered", "n", "y_version",
-                 "src_version", "nbytes", "released")
+    __slots__ = ("owner", "storage", "base", "dtype", "offset", "rows", "src", "weight", "bias", "eps", "rms",
+                 "zero_centered", "n", "y_version", "src_version", "nbytes", "released")
 
     def __init__(self, owner, base, src, weight, bias, eps, rms, zero_centered, n):
-        self.owner, self.base, self.src, self.weight, self.bias = owner, weakref.ref(base), src, weight, bias
+        self.owner, self.src, self.weight, self.bias = owner, src, weight, bias
+        self.storage, self.base = weakref.ref(base.untyped_storage()), weakref.ref(base)
+        self.dtype, self.offset, self.rows = base.dtype, base.storage_offset(), base.numel() // n
         self.eps, self.rms, self.zero_centered, self.n = eps, rms, zero_centered, n
         self.y_version, self.src_version = _torch_compat.tensor_version(base), _torch_compat.tensor_version(src)
         self.nbytes, self.released = 0, False
@@ -166,43 +169,41 @@ class _Output:
     def name(self) -> str:
         return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
 
-    def release(self, y: Tensor) -> None:
-        version = _torch_compat.tensor_version(y)
+    def _check_version(self, when: str) -> None:
+        y = self.base()
+        version = self.y_version if y is None else _torch_compat.tensor_version(y)
         if version != self.y_version:
             raise KeepOutputError(
-                f"{self.name()}: its output was modified in place after the norm's forward (version "
-                f"{self.y_version} -> {version}); the backward would recompute it without that change. Keep this "
-                "norm's output (keep_output=True) or modify a copy.")
-        storage = y.untyped_storage()
+                f"{self.name()}: its output was modified in place {when} (version {self.y_version} -> {version}); "
+                "the backward would recompute it without that change. Keep this norm's output (keep_output=True) "
+                "or modify a copy.")
+
+    def release(self, storage) -> None:
+        self._check_version("after the norm's forward")
         self.nbytes = storage.nbytes()
         storage.resize_(0)
         self.released = True
 
     def refill(self) -> None:
-        y = self.base()
-        if not self.released or y is None:  # nothing holds the output any more: no backward reads it
+        storage = self.storage()
+        if not self.released or storage is None:  # nothing holds the output any more: no backward reads it
             return
-        version = _torch_compat.tensor_version(y)
-        if version != self.y_version:
-            raise KeepOutputError(f"{self.name()}: its output was written to after its storage was released "
-                                  f"(version {self.y_version} -> {version})")
+        self._check_version("after its storage was released")
         if _torch_compat.tensor_version(self.src) != self.src_version:
             raise KeepOutputError(f"{self.name()}: the norm's input (x, or x + residual) was modified in place "
                                   "after the forward; its output cannot be recomputed")
-        for what, t in (("input", self.src), ("weight", self.weight), ("bias", self.bias)):
-            if t is not None and t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
-                raise KeepOutputError(
-                    f"{self.name()}: its {what} is not materialized when the output is recomputed (storage freed: "
-                    "e.g. an FSDP unit or ZeRO-3 partition holding the norm's parameters alone, gathered only "
-                    "when backward reaches the norm). Keep this norm's output (keep_output=True).")
-        storage = y.untyped_storage()
+        src = self.src
+        if src.untyped_storage().nbytes() < (src.storage_offset() + src.numel()) * src.element_size():
+            raise KeepOutputError(f"{self.name()}: its input's storage was freed before the backward (by another "
+                                  "keep_output=False norm or by the caller); its output cannot be recomputed")
         storage.resize_(self.nbytes)
         self.released = False
         # A tensor of its own over y's storage: writing through it leaves y's version counter (which the saved
         # copies of y are checked against) as it is.
-        into = y.new_empty(0).set_(storage, y.storage_offset(), (y.numel() // self.n, self.n), (self.n, 1))
-        ops.norm_forward_into(into, ops.as_rows(self.src, self.n), _flat(self.weight, self.n),
-                              _flat(self.bias, self.n), self.eps, self.rms, self.zero_centered)
+        into = torch.empty(0, dtype=self.dtype, device=src.device).set_(storage, self.offset, (self.rows, self.n),
+                                                                         (self.n, 1))
+        ops.norm_forward_into(into, ops.as_rows(src, self.n), _flat(self.weight, self.n), _flat(self.bias, self.n),
+                              self.eps, self.rms, self.zero_centered)
 
 
 def _flat(p: Optional[Tensor], n: int) -> Optional[Tensor]:
@@ -234,6 +235,10 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
         y, src, weight, bias = local
     elif not _plain(y, src, weight, bias):
         return
+    # The parameters as the forward read them, copied (N elements each): FSDP2 and ZeRO-3 free a gathered
+    # parameter after the forward and gather it again only when the backward reaches its own module.
+    with torch.no_grad():
+        weight, bias = (p if p is None else p.detach().clone() for p in (weight, bias))
     base = _torch_compat.view_base(y)  # y may be a view ([..., N] of the kernel's [M, N])
     if not base.is_contiguous() or base.numel() != y.numel() or y.numel() == 0:
         return
@@ -313,10 +318,10 @@ def _release(pending: list, args, kwargs, output) -> None:
         kept = {_storage_key(t) for t in outputs}
     released = []
     for out in pending:
-        y = out.base()
-        if y is None or _storage_key(y) in kept:  # nothing holds y; or y is (part of) the parent's output
+        storage = out.storage()
+        if storage is None or (storage.data_ptr(), storage.device) in kept:  # nothing holds y; y is an output
             continue
-        out.release(y)
+        out.release(storage)
         released.append(out)
     if not released:
         return

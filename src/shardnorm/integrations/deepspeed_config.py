@@ -35,6 +35,8 @@ class ShardnormSection:
         one all-reduce per parameter per micro-batch.
     bucket_cap_mb: size of one such fp32 bucket (the name and default of every shardnorm reducer:
         `shardnorm.distributed.reducer.DEFAULT_BUCKET_CAP_MB`).
+    keep_output: false: the converted norms recompute their outputs in backward instead of keeping them
+        (`shardnorm.output_recompute`).
     """
 
     enabled: bool = True
@@ -42,6 +44,7 @@ class ShardnormSection:
     zero_centered_gamma: bool = False
     grad_reduce: str = "step"
     bucket_cap_mb: float = 1.0
+    keep_output: bool = True
 
     @property
     def bucket_numel(self) -> int:
@@ -90,6 +93,7 @@ _PARSERS = {
     "zero_centered_gamma": lambda v: _bool("zero_centered_gamma", v),
     "grad_reduce": _grad_reduce,
     "bucket_cap_mb": _bucket_cap_mb,
+    "keep_output": lambda v: _bool("keep_output", v),
 }
 
 

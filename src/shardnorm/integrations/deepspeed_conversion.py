@@ -50,7 +50,7 @@ def _zero_center(name: str, module: torch.nn.Module) -> bool:
 
 def convert_norms(model: torch.nn.Module, section: ShardnormSection) -> tuple[torch.nn.Module, int]:
     """Convert the classes named in `section.replace` (all known norms when unset). Returns (model, count)."""
-    model, count = convert(model, classes=section.replace)
+    model, count = convert(model, classes=section.replace, keep_output=section.keep_output)
     if section.zero_centered_gamma:
         shifted = sum(_zero_center(name, module) for name, module in named_shardnorm_modules(model))
         if shifted and hasattr(model, "save_pretrained"):

@@ -63,10 +63,11 @@ class ShardnormRMSNorm(shardnorm.RMSNorm, Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(TitanRMSNorm.Config):
-        pass
+        keep_output: bool = True  # false: the output is recomputed in backward (shardnorm.output_recompute)
 
     def __init__(self, config: Config):
-        super().__init__(config.normalized_shape, eps=config.eps, elementwise_affine=config.elementwise_affine)
+        super().__init__(config.normalized_shape, eps=config.eps, elementwise_affine=config.elementwise_affine,
+                         keep_output=config.keep_output)
 
     def parallelize(self, parallel_dims) -> None:
         """Where torchtitan's plan makes this a sequence-parallel norm, apply `SequenceParallelNorm`."""
@@ -101,7 +102,7 @@ class ShardnormConverter(ModelConfigConverter):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
-        pass
+        keep_output: bool = True  # false: the converted norms recompute their outputs in backward
 
     def __init__(self, config: Config, **kwargs):
         self.config = config
@@ -112,7 +113,7 @@ class ShardnormConverter(ModelConfigConverter):
         for fqn, cfg, parent, attr in list(model_config.traverse(TitanRMSNorm.Config, recurse=True)):
             if type(cfg) is not TitanRMSNorm.Config:
                 continue
-            new = derive(cfg, ShardnormRMSNorm.Config)
+            new = derive(cfg, ShardnormRMSNorm.Config, keep_output=self.config.keep_output)
             count += 1
             if parent is None:
                 converted = new
@@ -166,12 +167,14 @@ class ShardnormTrainer(Trainer):
                 c.__exit__(None, None, None)
 
 
-def with_shardnorm(config: Trainer.Config, *, bucket_cap_mb: float = 1.0) -> ShardnormTrainer.Config:
-    """A torchtitan `Trainer.Config` with shardnorm's norms, TP plan, reducer and accumulation."""
+def with_shardnorm(config: Trainer.Config, *, bucket_cap_mb: float = 1.0,
+                   keep_output: bool = True) -> ShardnormTrainer.Config:
+    """A torchtitan `Trainer.Config` with shardnorm's norms, TP plan, reducer and accumulation (`keep_output=False`:
+    the norms recompute their outputs in backward instead of keeping them)."""
     spec = config.model_spec
     if spec is None:
         raise ValueError("shardnorm: with_shardnorm needs a Trainer.Config whose model_spec is set")
-    spec.model = ShardnormConverter.Config().build().convert(spec.model)
+    spec.model = ShardnormConverter.Config(keep_output=keep_output).build().convert(spec.model)
     spec.parallelize_fn = parallelize_with_shardnorm(spec.parallelize_fn, bucket_cap_mb=bucket_cap_mb)
     config.parallelism.spmd_backend = SPMD_BACKEND
     return derive(config, ShardnormTrainer.Config)

@@ -202,7 +202,7 @@ def deepspeed_config_of(accelerator) -> dict | None:
 
 
 def convert_model(model: nn.Module, *, accelerator=None, deepspeed_config: dict | None = None,
-                  bucket_cap_mb: float = 1.0) -> nn.Module:
+                  bucket_cap_mb: float = 1.0, keep_output: bool = True) -> nn.Module:
     """Convert `model`'s norms in place (same Parameters) before the framework wraps it; returns it.
 
     - DeepSpeed: the config's "shardnorm" section (from `accelerator` or `deepspeed_config`) decides what
@@ -210,17 +210,23 @@ def convert_model(model: nn.Module, *, accelerator=None, deepspeed_config: dict 
     - `tp_plan` models: norms with `replicated_with_grad_allreduce` / `sequence_parallel` (or the shardnorm
       styles) become shardnorm norms whose grads go to one reducer (fp32 buckets, once per optimizer step);
       use `bind_accumulation` (or `shardnorm.accumulate` / `finalize_grads` in your own loop).
+    - `keep_output=False` (or the DeepSpeed section's "keep_output": false): the norms recompute their outputs
+      in backward instead of keeping them (`shardnorm.output_recompute`).
     """
-    return _convert(model, accelerator, deepspeed_config, bucket_cap_mb)[0]
+    return _convert(model, accelerator, deepspeed_config, bucket_cap_mb, keep_output)[0]
 
 
-def _convert(model, accelerator, deepspeed_config, bucket_cap_mb) -> tuple[nn.Module, int]:
+def _convert(model, accelerator, deepspeed_config, bucket_cap_mb, keep_output=True) -> tuple[nn.Module, int]:
     """convert_model, also returning how many norms are in a tensor-parallel mode (now or from an earlier call:
     `enable(trainer)` after `convert_model(model)` converts nothing twice and keeps the reducer)."""
     if deepspeed_config is None and accelerator is not None:
         deepspeed_config = deepspeed_config_of(accelerator)
     tp_norms = _take_tp_norms(model)
     model = _convert_norms(model, deepspeed_config)
+    if not keep_output:
+        for module in model.modules():
+            if isinstance(module, (LayerNorm, RMSNorm)):
+                module.keep_output = False
     if not tp_norms:
         return model, sum(_in_tensor_parallel_mode(m) for m in model.modules())
     mesh = _tp_mesh(model)
@@ -272,19 +278,20 @@ class ShardnormCallback(TrainerCallback):
         self.collectives_per_step = self.reducer.num_buckets
 
 
-def enable(trainer, *, bucket_cap_mb: float = 1.0) -> nn.Module:
+def enable(trainer, *, bucket_cap_mb: float = 1.0, keep_output: bool = True) -> nn.Module:
     """The one line for a `transformers.Trainer` run: call after building the Trainer, before `train()`.
 
     Converts `trainer.model` (honouring the DeepSpeed "shardnorm" section when the run uses DeepSpeed:
     Trainer/Accelerate call `deepspeed.initialize` later, on the converted model), and for `tp_plan` models
-    ties norm-grad reduction to the Trainer's micro-batches. Returns the model.
+    ties norm-grad reduction to the Trainer's micro-batches. `keep_output=False`: the norms recompute their outputs
+    in backward instead of keeping them. Returns the model.
     """
     if getattr(trainer, "_shardnorm_enabled", False):
         return trainer.model
     if trainer.model_wrapped is not trainer.model:
         raise RuntimeError("shardnorm: enable(trainer) must run before train() wraps the model "
                            f"(trainer.model_wrapped is a {type(trainer.model_wrapped).__name__})")
-    model, tp_norms = _convert(trainer.model, trainer.accelerator, None, bucket_cap_mb)
+    model, tp_norms = _convert(trainer.model, trainer.accelerator, None, bucket_cap_mb, keep_output)
     if tp_norms:
         bind_accumulation(model, trainer.accelerator)
         trainer.add_callback(ShardnormCallback(model))
