@@ -15,11 +15,18 @@ FSDP2 (`fully_shard`) state, for "does FSDP hold no-sync grads" (`fsdp_checkpoin
   `_param_fqn`.
 FSDP1: `ModuleWrapPolicy._run_policy` / `_module_classes` (a wrap policy that looks at the root module
   before choosing its classes), `MixedPrecision._module_classes_to_ignore` (norms kept in fp32).
+DeviceMesh: `_flatten` (several dims as one, FSDP over dp_shard x cp) and `_concatenate` (HSDP's 2-D mesh
+  from a replicate dim and a flattened shard dim): torch has no public way to build either.
+nn.Module hook dicts (`_forward_pre_hooks`, `_backward_hooks`, ...) and `Tensor._post_accumulate_grad_hooks`:
+  to see the hooks a module or parameter carries (conversion refuses to drop them), and to remove the module
+  backward hooks a framework installed without handing out their handles (transformers' tensor-parallel
+  styles), leaving everyone else's.
 Inductor: `torch._inductor.config.pre_grad_custom_pass` / `post_grad_custom_post_pass` and
-  `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes).
+  `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes, set and removed there).
 
-Framework-specific internals (DeepSpeed's AutoTP) stay in their adapter, `shardnorm/deepspeed/autotp.py`;
-Triton's launch internals in `shardnorm/kernels/launch.py`.
+Framework-specific internals stay in their adapter (DeepSpeed's AutoTP partition specs and flag:
+`shardnorm/integrations/deepspeed_autotp.py`); Triton's launch internals in `shardnorm/kernels/launch.py`.
+`tests/test_layout.py` scans src/ for private torch names elsewhere.
 """
 
 import functools
@@ -121,44 +128,87 @@ def fsdp1_mixed_precision(param_dtype, reduce_dtype, buffer_dtype, full_precisio
                           _module_classes_to_ignore=full_precision_classes)
 
 
+# ---- DeviceMesh -----------------------------------------------------------------------------------------
+
+def flatten_mesh(mesh, name: str):
+    """`mesh`'s dims as one dim called `name` (reachable as `root_mesh[name]` afterwards)."""
+    return mesh._flatten(name)
+
+
+def concatenate_meshes(meshes: list):
+    """One mesh whose dims are those of `meshes` (submeshes of one root mesh), in order."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
+
+
+# ---- module and parameter hooks -----------------------------------------------------------------------------
+
+MODULE_HOOK_KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+                     ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"),
+                     ("_state_dict_pre_hooks", "state_dict pre-hook"), ("_state_dict_hooks", "state_dict hook"),
+                     ("_load_state_dict_pre_hooks", "load_state_dict pre-hook"),
+                     ("_load_state_dict_post_hooks", "load_state_dict post-hook"))
+
+
+def module_hooks(module) -> list:
+    """(kind, hook) for every hook registered on `module` itself (forward, backward, state_dict), in
+    registration order; kind as `MODULE_HOOK_KINDS` names it ("forward hook", "backward hook", ...)."""
+    return [(kind, hook) for attr, kind in MODULE_HOOK_KINDS for hook in (getattr(module, attr, None) or {}).values()]
+
+
+def remove_module_backward_hooks(module, installed_by) -> int:
+    """Remove the backward hooks of `module` (`register_full_backward_hook` / `register_backward_hook`) for
+    which `installed_by(hook)` is true; the others stay registered. For hooks whose handles their owner kept
+    (torch removes a hook only through its handle). Returns how many were removed."""
+    hooks = module._backward_hooks
+    removed = [key for key, hook in hooks.items() if installed_by(hook)]
+    for key in removed:
+        del hooks[key]
+    return len(removed)
+
+
+def has_post_accumulate_grad_hooks(param) -> bool:
+    """Whether `register_post_accumulate_grad_hook` put a hook on this parameter."""
+    return bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 # ---- Inductor --------------------------------------------------------------------------------------------
 
-INDUCTOR_PASS_SLOTS = ("pre_grad_custom_pass", "post_grad_custom_post_pass")
+INDUCTOR_PRE_GRAD_SLOT = "pre_grad_custom_pass"  # the graph Dynamo hands Inductor (torch-level ops), before autograd
+INDUCTOR_POST_GRAD_SLOT = "post_grad_custom_post_pass"  # forward and backward aten graphs, after Inductor's passes
+INDUCTOR_PASS_SLOTS = (INDUCTOR_PRE_GRAD_SLOT, INDUCTOR_POST_GRAD_SLOT)
 
 
-def add_inductor_graph_pass(slot: str, graph_pass, uuid) -> bool:
-    """Run `graph_pass(graph)` on each graph Inductor compiles, at `slot`: "pre_grad_custom_pass" (the graph
-    Dynamo hands Inductor, torch-level ops, before autograd is traced) or "post_grad_custom_post_pass" (the
-    forward and backward graphs, aten ops, after Inductor's own passes), after any pass already set there
-    (Inductor holds one per slot: an existing one is chained, not replaced). `uuid()` names what the pass
-    does now (Inductor's caches key on it). Idempotent. Only where `torch._inductor.config` is already
-    imported (importing it costs ~1.5 s; `torch.compile` with Inductor imports it before it traces):
-    returns whether the pass is installed."""
-    if slot not in INDUCTOR_PASS_SLOTS:
-        raise ValueError(f"slot must be one of {INDUCTOR_PASS_SLOTS}, got {slot!r}")
+def inductor_loaded() -> bool:
+    """Whether Inductor's config is imported (importing it costs ~1.3 s; Dynamo imports it before it traces)."""
     import sys
 
-    config = sys.modules.get("torch._inductor.config")
-    if config is None:
-        return False
+    return "torch._inductor.config" in sys.modules
+
+
+def inductor_graph_pass_base() -> type:
+    """`CustomGraphPass`: Inductor's base class for a graph pass, `__call__(graph)` plus `uuid()`, the value its
+    caches (the FX graph cache) key on for what the pass does. Imports Inductor."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    current = getattr(config, slot)
-    previous = tuple(current) if isinstance(current, (list, tuple)) else () if current is None else (current,)
-    if any(getattr(p, "wraps", None) is graph_pass for p in previous):
-        return True
+    return CustomGraphPass
 
-    class ChainedPass(CustomGraphPass):
-        def __call__(self, graph):
-            for earlier in previous:
-                earlier(graph)
-            graph_pass(graph)
 
-        def uuid(self):
-            keys = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in previous]
-            return None if None in keys else (*keys, uuid())  # an earlier pass without a uuid: no caching
+def inductor_graph_pass(slot: str):
+    """What Inductor runs at `slot` (one of `INDUCTOR_PASS_SLOTS`): None, a pass, or a list of passes."""
+    return getattr(_inductor_config(slot), slot)
 
-    chained = ChainedPass()
-    chained.wraps = graph_pass  # on the instance: a class attribute would come back as a bound method
-    setattr(config, slot, chained)
-    return True
+
+def set_inductor_graph_pass(slot: str, graph_pass) -> None:
+    """Set Inductor's pass at `slot`. Torch 2.13 keeps a config value set in code per thread (the calling thread's,
+    handed to the autograd threads its backward runs in)."""
+    setattr(_inductor_config(slot), slot, graph_pass)
+
+
+def _inductor_config(slot: str):
+    if slot not in INDUCTOR_PASS_SLOTS:
+        raise ValueError(f"slot must be one of {INDUCTOR_PASS_SLOTS}, got {slot!r}")
+    import torch._inductor.config as config
+
+    return config
