@@ -4,7 +4,7 @@ Every provider runs the same shapes in the same process; each one's y, dx and dg
 against a float64 reference first, so a fast wrong kernel cannot win. Times are
 `triton.testing.do_bench` medians after warm-up (it also flushes L2 between repetitions), the best
 of `--repeats` rounds that time every provider in turn (the GPU machine's shared CPU makes host-bound
-medians drift by 2x between runs; `gpu_time.py` measures the kernels without host time); inputs
+medians drift by 2x between runs; `kernel_gpu_time.py` measures the kernels without host time); inputs
 that fit in L2 are additionally rotated. Bytes are the minimum traffic: forward reads x and writes
 y, backward reads x and dy and writes dx (weights, stats and dgamma are not counted), fwd+bwd the
 sum. Backward is timed as `y.backward(dy, retain_graph=True)`, so it includes the dgamma/dbeta
@@ -13,10 +13,13 @@ reduction. A device-to-device copy measured in the same run is the ceiling.
     python benchmarks/bench_kernels.py --out results.json [--quick] [--max-autotune] [--repeats 3]
         [--shapes genai,llama,qk,longrow] [--providers shardnorm,quack,...]
 
-Liger-Kernel and quack (CuTe-DSL kernels, benchmark-only: shardnorm never imports it;
-`benchmarks/quack_env.sh` installs it on the GPU machine) are optional: a peer that does not import is
-skipped with one line. `benchmarks/report.py results.json` turns the JSON into the markdown table and
-the plot.
+Liger-Kernel and quack (CuTe-DSL kernels, benchmark-only: shardnorm never imports it) are optional: a peer
+that does not import is skipped with one line. `benchmarks/report.py results.json` turns the JSON into the
+markdown table and the plot.
+
+shardnorm runs with its default kernels: on Hopper the staged kernels for long rows (`kernels/config.py`,
+SPECIALIZED). `SHARDNORM_PORTABLE_KERNELS=1` runs the portable Triton kernels everywhere, for an A/B of a
+specialized path in the same harness; the JSON's meta says which ran (`shardnorm_long_rows`).
 """
 
 import argparse
@@ -24,7 +27,6 @@ import datetime
 import importlib.metadata
 import json
 import math
-import os
 import sys
 
 import torch
@@ -37,7 +39,7 @@ import shardnorm
 GENAI = [(32768, n) for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536)]
 LLAMA = [(16384, n) for n in (4096, 5120, 8192, 14336)]
 QK_NORM = [(262144, n) for n in (64, 128, 256)]
-# Issue 22's long rows. M = 32768 at N = 65536 (4 GiB per bf16 tensor) is what GENAI has always run:
+# The long rows (above one program's registers). M = 32768 at N = 65536 (4 GiB per bf16 tensor) is what GENAI has always run:
 # one input set, and every provider fits in 80 GB but torch eager RMSNorm with fp32 weights (its
 # fp32 upcast path runs out of memory; reported as failed, as before).
 LONGROW_LN = [(16384, 14336)] + [(32768, n) for n in (16384, 32768, 65536)]
@@ -246,20 +248,11 @@ def comma_list(choices):
     return parse
 
 
-def host_path_on() -> str:
-    """shardnorm's C++ host path (its default), built before the first timing rather than in the background
-    during one; SHARDNORM_HOST_PATH=0 measures the Python path. Returns what ran."""
-    from shardnorm import host
+def long_row_kernels() -> str:
+    """Which long-row kernels shardnorm takes on this GPU: "staged" (Hopper's) or "portable"."""
+    from shardnorm.kernels import config
 
-    if os.environ.get("SHARDNORM_HOST_PATH", "auto").lower() in ("0", "off", "false"):
-        host.enable(False)
-        return "off"
-    try:
-        host.enable(True)
-        return "on"
-    except Exception as error:  # the Python path: the table says so
-        print(f"host path unavailable: {error}", flush=True)
-        return f"unavailable: {error}"
+    return config.specialized(torch.device("cuda", torch.cuda.current_device())) or "portable"
 
 
 def main(argv=None):
@@ -271,7 +264,7 @@ def main(argv=None):
     parser.add_argument("--weights", default="bfloat16,float32")
     parser.add_argument("--shapes", type=comma_list(tuple(SHAPE_GROUPS)),
                         help="shape groups, comma list of " + ", ".join(SHAPE_GROUPS)
-                        + " (default genai,llama,qk; --quick: genai); longrow: issue 22's long rows, "
+                        + " (default genai,llama,qk; --quick: genai); longrow: the long rows, "
                         "LayerNorm N = 14336 (M = 16384), 16384, 32768, 65536 and RMSNorm N = 32768, 65536 "
                         "(M = 32768)")
     parser.add_argument("--providers", type=comma_list(PROVIDERS), default=list(PROVIDERS),
@@ -285,11 +278,9 @@ def main(argv=None):
     torch._functorch.config.donated_buffer = False  # compiled backward is re-run with retain_graph
     copy_gbs = copy_bandwidth()
     props = torch.cuda.get_device_properties(0)
-    host_path = host_path_on()
     meta = dict(gpu=props.name, sm_count=props.multi_processor_count, date=datetime.date.today().isoformat(),
                 torch=torch.__version__, triton=triton.__version__, peers=peer_versions(), copy_gbs=copy_gbs,
-                host_path=host_path,
-                repeats=args.repeats, command=" ".join([sys.executable.split("/")[-1]] + sys.argv))
+                shardnorm_long_rows=long_row_kernels(), repeats=args.repeats, command=" ".join([sys.executable.split("/")[-1]] + sys.argv))
     print(f"{props.name}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     weights = ["bfloat16"] if args.quick else args.weights.split(",")
     rows = []

@@ -1,15 +1,18 @@
-"""Long-row backward on one GPU: split vs cooperative candidates (issue 22), checked and timed.
+"""Long-row backward on one GPU: the split backward vs the staged candidates, checked and timed.
 
 Per shape a child process builds bf16 x/dy, the forward's statistics and a float64 reference (dx of
 rows spread over M, dgamma/dbeta over all rows), then per candidate: checks dx/dgamma/dbeta against
 it and that a second run is bitwise equal, and times the bare launcher (`kernels.norm_bwd`) with
-do_bench_cudagraph (median, as gpu_time.py) and do_bench (best of 3 medians, as bench_kernels.py).
+do_bench_cudagraph (median, as kernel_gpu_time.py) and do_bench (best of 3 medians, as bench_kernels.py).
 Bytes: read x and dy, write dx (3 x M x N x 2). The child measures the device-to-device copy too.
 A candidate that hangs (a grid that cannot be resident) must not eat the run: the parent kills a
 child that reports nothing for --timeout seconds, records that candidate as hung and starts a new
 child for the rest. Candidates compile first in parallel processes (Triton's disk cache is shared).
 
-    python benchmarks/gpu_longrow.py --out OUT_DIR [--quick]
+    python benchmarks/gpu_longrow.py --out OUT_DIR [--quick] [--candidates table,split]
+
+The fp32-weight shapes say whether the staged backward should take fp32 weights too (STAGED_BWD has bf16
+entries only, so the table's choice there is the split backward).
 
 Writes OUT_DIR/longrow.json and OUT_DIR/longrow.md and prints the table.
 """
@@ -31,41 +34,33 @@ REF_ROWS = 256  # rows of dx compared in float64 at each of the start, middle an
 
 
 def candidates() -> dict:
-    """name -> backward config: the split default, then cooperative ones (slice columns x rows per
-    exchange, warps, programs per SM, lookahead); register use from a local sm_90 compile (Triton 3.9's
-    ptxas -v): 2 per SM only where two fit."""
+    """name -> backward config, None for the table's choice (`config.STAGED_BWD` on Hopper): the split backward
+    (portable), then staged ones: S(warps, slice columns, row slots). At N <= 16384 one slice is the whole row in
+    two (three) slots, no exchange; three slots publish the next row's sums before this row's are awaited.
+    Register use from a local sm_90 compile: 32 warps spill LayerNorm's dgamma/dbeta sums, 16 do not."""
     from shardnorm.kernels import config
-    coop = config.CoopBwdConfig
+    staged = config.StagedConfig
     return {
+        "table": None,
         "split": config.BWD_SPLIT,
-        "coop_4096x1_w16": coop(4096, 1, 16),  # COOP_BWD_DEFAULT
-        # run 1 (H100, results/h100-2026-11-23-s9): wider slices won (fewer exchanges per byte); 2048-4096
-        # slices, 2 per SM and the lookahead modes stayed at 36-49%
-        "coop_8192x1_w32": coop(8192, 1, 32),  # 64 regs, LN spills 104 bytes
-        "coop_8192x1_w16": coop(8192, 1, 16),  # 128 regs available: no spill expected
-        "coop_8192x1_w16_publish_ahead": coop(8192, 1, 16, lookahead=1),
-        "coop_8192x1_w8": coop(8192, 1, 8),
-        "coop_16384x1_w32": coop(16384, 1, 32),
-        "coop_16384x1_w16": coop(16384, 1, 16),
-        "coop_8192x2_w32": coop(8192, 2, 32),
-        # session 12: the row staged in shared memory (Gluon), in slices of a row (session 12's whole rows in one
-        # slot, staged_w16 / staged_w32 / staged_w16_v16 / staged_w8_v32, were removed in session 14)
-        "staged_slices_16384": config.StagedConfig(32, slice_n=16384),
-        "staged_slices_8192": config.StagedConfig(32, slice_n=8192),
-        # session 13: three row slots, the next row's sums published before this row's are awaited; at N <= 16384
-        # one slice is the whole row in two (three) slots, no exchange. Since session 13 every sliced candidate
-        # exchanges tagged words (session 12's and the first session-13 runs: counters and release/acquire)
-        "staged_slices_16384_lead": config.StagedConfig(32, slice_n=16384, slots=3),
-        "staged_slices_16384_w16": config.StagedConfig(16, slice_n=16384),
-        "staged_slices_16384_w16_lead": config.StagedConfig(16, slice_n=16384, slots=3),
+        "staged_slices_16384": staged(32, slice_n=16384),
+        "staged_slices_8192": staged(32, slice_n=8192),
+        "staged_slices_16384_lead": staged(32, slice_n=16384, slots=3),
+        "staged_slices_16384_w16": staged(16, slice_n=16384),  # STAGED_BWD up to 16384 columns
+        "staged_slices_16384_w16_lead": staged(16, slice_n=16384, slots=3),  # STAGED_BWD above
     }
 
 
+_TABLE = []  # config.bwd_config as shardnorm defines it, kept by the first `using`
+
+
 def using(cfg):
-    """Every backward takes cfg (as sweep_tiles.using)."""
+    """Every backward takes cfg (as sweep_tiles.using); None: the table's choice again."""
     from shardnorm.kernels import config
+    if not _TABLE:
+        _TABLE.append(config.bwd_config)
     sys.modules["shardnorm.kernels.norm_bwd"]._plan.cache_clear()
-    config.bwd_config = lambda *_: cfg
+    config.bwd_config = _TABLE[0] if cfg is None else (lambda *_: cfg)
 
 
 def inputs(norm, m, n, weight_dtype):
@@ -223,7 +218,7 @@ def fmt(r, copy_gbs) -> str:
 
 
 def markdown(rows, copy_gbs, gpu) -> str:
-    out = [f"# Long-row backward, split vs cooperative ({gpu}, copy {copy_gbs:.0f} GB/s)", "",
+    out = [f"# Long-row backward, split vs staged ({gpu}, copy {copy_gbs:.0f} GB/s)", "",
            "% of copy: GPU time (CUDA graph median) / do_bench best of 3; errors vs float64; R: bitwise repeatable.", "",
            "| norm | weights | M x N | candidate | graph | bench | dx err | dw err | R |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -239,7 +234,7 @@ def markdown(rows, copy_gbs, gpu) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
-    parser.add_argument("--quick", action="store_true", help="bf16 weights, 3 candidates")
+    parser.add_argument("--quick", action="store_true", help="bf16 weights; the table's choice and the split backward")
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--child")
     parser.add_argument("--names")
@@ -254,7 +249,7 @@ def main():
     names = list(candidates())
     shapes = SHAPES
     if args.quick:
-        names, shapes = names[:2] + names[4:5], [s for s in SHAPES if s[3] == "bfloat16"]
+        names, shapes = ["table", "split"], [s for s in SHAPES if s[3] == "bfloat16"]
     if args.candidates:
         names = args.candidates.split(",")
     if args.max_n:

@@ -1,9 +1,9 @@
-"""The staged long-row forward's variants on one GPU (issue 22): warps per program, parameters held on chip.
+"""The staged long-row forward's variants on one GPU: warps per program, parameters held on chip.
 
 `staged_fwd_kernel` launched directly (as its plan would, one program per SM) at each num_warps and number of
-chunks whose parameters stay in shared memory, LayerNorm with and without its bias (sessions 13-14 also compared
+chunks whose parameters stay in shared memory, LayerNorm with and without its bias (NOTES.md also records
 LayerNorm's statistics in one and two passes and per warp, y as one multiply-add, maskless even rows, the next
-row's statistics taken in the y pass, one shared-memory allocation per chunk: NOTES.md v16, v17): y, mean and
+row's statistics taken in the y pass, one shared-memory allocation per chunk): y, mean and
 rstd checked against float64 on sampled rows, then timed with do_bench_cudagraph (GPU time) and do_bench (best of
 3 medians), the device-to-device copy measured in the same run. Bytes: read x, write y (2 x M x N x 2; the
 parameters and statistics are not counted, as in bench_kernels.py).

@@ -7,21 +7,27 @@ sees. Every candidate's outputs are checked against the default config's first, 
 win. Candidates compile in parallel worker processes first (Triton's disk cache is shared).
 
     python benchmarks/sweep_tiles.py --out sweep.json [--cases fwd-65536,bwd-1024,...] [--norms rms] [--jobs 12]
+
+These are the portable kernels' tiles: the sweep runs with SHARDNORM_PORTABLE_KERNELS=1, so long rows on
+Hopper do not take the staged kernels (`gpu_longrow.py` and `longrow_fwd_variants.py` time those).
 """
 
 import argparse
 import itertools
 import json
 import multiprocessing
+import os
 import sys
 import time
 
-import torch
-from triton.testing import do_bench_cudagraph
+os.environ["SHARDNORM_PORTABLE_KERNELS"] = "1"  # before shardnorm reads its settings; spawned workers inherit it
 
-from bench_kernels import copy_bandwidth
-from shardnorm.kernels import config, norm_bwd, norm_fwd
-from shardnorm.kernels.config import SplitBwdConfig, TileConfig
+import torch  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
+
+from bench_kernels import copy_bandwidth  # noqa: E402
+from shardnorm.kernels import config, norm_bwd, norm_fwd  # noqa: E402
+from shardnorm.kernels.config import SplitBwdConfig, TileConfig  # noqa: E402
 
 T = TileConfig
 
@@ -30,28 +36,12 @@ def rows_for(n: int) -> int:
     return 262144 if n <= 256 else 32768
 
 
-CUDA = torch.device("cuda")
-
-
-def cluster_candidates(n: int, elems_per_thread: tuple, per_sm_options: tuple, **flags):
-    """One pass over the whole row split across 2-8 CTAs of a cluster, with elems_per_thread
-    elements of the row per thread (more spill in a local sm_90 compile) and per_sm_options CTAs
-    per SM (0: one program per row, not persistent)."""
-    bn = config.next_pow2(n)
-    for ctas, warps, per_sm in itertools.product((2, 4, 8), (4, 8, 16, 32), per_sm_options):
-        if bn // (ctas * 32 * warps) in elems_per_thread:
-            yield T(1, bn, warps, programs_per_sm=per_sm, num_ctas=ctas, **flags)
-
 
 def fwd_candidates(n: int, rms: bool):
     """One-pass tiles, each with one program per row block (0) and with 2-8 persistent programs per
-    SM holding the parameters in registers; above the one-pass limit, clusters and chunked tiles."""
-    yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, config.use_clusters(CUDA, rms))
+    SM holding the parameters in registers; above the one-pass limit, chunked tiles."""
+    yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms)
     if n > config.MAX_FUSED_N_FWD or (n > 16384 and WEIGHT_DTYPE.itemsize >= 4 and not rms):
-        if config.clusters(CUDA):
-            yield from cluster_candidates(n, (8, 16, 32), (0, 1, 2))
-            yield config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, False)
-            return
         for bm, bn, warps, stages in itertools.product((1, 2), (2048, 4096, 8192, 16384), (8, 16, 32), (1, 2)):
             if 4 <= bm * bn // (32 * warps) <= 32:
                 yield T(bm, bn, warps, single_pass=False, num_stages=stages)
@@ -86,13 +76,7 @@ def split_candidates(n: int):
 
 
 def bwd_candidates(n: int, rms: bool):
-    partials = 1 if rms else 2
-    if config.clusters(CUDA) and n > 8192:  # clusters against the default and the split pass they replace
-        yield config.bwd_config(n, partials, WEIGHT_DTYPE.itemsize, rms, config.use_clusters(CUDA, rms))
-        yield config.BWD_SPLIT
-        for hoist, stages in itertools.product((False, True), (1, 2)):
-            yield from cluster_candidates(n, (8, 16), (1, 2), hoist_params=hoist, num_stages=stages)
-    elif n >= 8192:
+    if n >= 8192:
         yield from split_candidates(n)
     if n > 16384:
         return
@@ -202,11 +186,10 @@ def main():
         expected = call(direction, rms, t)()
         nbytes = (2 if direction == "fwd" else 3) * m * n * 2
         params = 1 if rms else 2
-        choices = (config.use_clusters(CUDA, rms), False)  # the default, the fallback
         if direction == "fwd":
-            default, fallback = (config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms, c) for c in choices)
+            default = config.fwd_config(n, WEIGHT_DTYPE.itemsize, not rms)
         else:
-            default, fallback = (config.bwd_config(n, params, WEIGHT_DTYPE.itemsize, rms, c) for c in choices)
+            default = config.bwd_config(n, params, WEIGHT_DTYPE.itemsize, rms)
         rows = []
         for _, _, _, cfg in group:
             undo = using(direction, cfg)
@@ -229,7 +212,7 @@ def main():
         dflt = next((r for r in rows if r["default"]), None)
         print(f"{direction} N={n} {'rms' if rms else 'layer'}: default "
               f"{dflt['of_copy'] if dflt else float('nan'):.0%}; best of {len(rows)}:", flush=True)
-        for r in rows[:3] + [r for r in rows[3:] if r["cfg"] == repr(fallback)]:  # and the no-cluster path
+        for r in rows[:3]:
             print(f"    {r['of_copy']:5.0%} {r['us']:7.1f} us  {r['cfg']}", flush=True)
         del t, expected
         torch.cuda.empty_cache()

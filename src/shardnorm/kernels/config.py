@@ -50,7 +50,7 @@ MIN_LONG_N_BWD = min(MAX_FUSED_N_BWD.values()) + 1
 # SM count used where there is no CUDA device (TRITON_INTERPRET on CPU tensors).
 INTERPRETER_SM_COUNT = 8
 # The tables were measured with Triton 3.6 (torch 2.11 on the GPU machine); 3.9 compiles some tiles
-# differently (NOTES.md v8).
+# differently.
 TRITON_3_9 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
 
 
@@ -134,7 +134,7 @@ def staged_params(*params) -> bool:
 
 BwdConfig = Union[TileConfig, SplitBwdConfig, StagedConfig]
 
-# Portable long-row paths, from the H100 sweeps of GPU time (NOTES.md v3, v5, v7). fp32 weight and bias are
+# Portable long-row paths, from the H100 sweeps of GPU time. fp32 weight and bias are
 # read again for every chunk; two rows per tile halve that (LayerNorm fp32 32768: 61% -> 75% of copy).
 # The split backward sits at 59-61% at every long row, its design's ceiling (x and dy read twice).
 FWD_CHUNKED = TileConfig(block_m=1, block_n=16384, num_warps=32, single_pass=False)
@@ -146,7 +146,7 @@ BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warp
 # Forward with fp32 parameters, one pass, persistent programs holding weight and bias in registers,
 # by next_pow2(N): (warps, programs per SM); for LayerNorm with bias, and for any norm at 16384.
 # Re-reading fp32 parameters for every row (from L2) was the bottleneck there: H100 A/B of GPU
-# time (NOTES.md v7), LayerNorm 8192 +11%, 14336 +20% and 16384 +21% (both were chunked); RMSNorm
+# time: LayerNorm 8192 +11%, 14336 +20% and 16384 +21% (both were chunked); RMSNorm
 # 16384 +2% over the chunked path. RMSNorm 8192 and both norms at 4096 stay one block per program
 # (RMSNorm 8192 -7%, LayerNorm 4096 -3% when persistent; RMSNorm 4096 92% vs 99% in the sweep).
 # `python benchmarks/sweep_tiles.py --out sweep.json --cases fwd-8192,fwd-14336,fwd-16384 --weights float32`
@@ -154,10 +154,10 @@ PERSISTENT_FWD = {8192: (8, 8), 16384: (16, 4)}
 
 
 def tail_pays(tail_n: int, param_size: int, has_bias: bool) -> bool:
-    """Whether the forward takes a tail tile (H100 GPU-time sweeps and A/B at N = 4608-9216, NOTES.md
-    v7): faster for LayerNorm with fp32 weight and bias (+6% to +32%) and for RMSNorm with tails up to
-    1024 columns (fp32 +5% to +32%, bf16 0 to +6%); slower for LayerNorm with bf16 parameters (-5% to
-    -25%) and RMSNorm with 2048-column tails (-4% to -6%). Longer tails were not measured.
+    """Whether the forward takes a tail tile (H100 GPU-time sweeps and A/B at N = 4608-9216): faster for
+    LayerNorm with fp32 weight and bias (+6% to +32%) and for RMSNorm with tails up to 1024 columns (fp32 +5%
+    to +32%, bf16 0 to +6%); slower for LayerNorm with bf16 parameters (-5% to -25%) and RMSNorm with
+    2048-column tails (-4% to -6%). Longer tails were not measured.
     `python benchmarks/sweep_tiles.py --out sweep.json --cases fwd-4608,fwd-5120,fwd-9216 [--weights float32]`"""
     if has_bias:
         return param_size >= 4 and tail_n <= 2048
@@ -167,12 +167,12 @@ def tail_pays(tail_n: int, param_size: int, has_bias: bool) -> bool:
 @functools.lru_cache(maxsize=None)
 def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfig:
     """The portable forward's tiles. param_size: bytes per weight (bias) element. fp32 weight and bias
-    beside a one-pass row above 16384 columns spill in one program: chunked there (H100 sweep, v5)."""
+    beside a one-pass row above 16384 columns spill in one program: chunked there (H100 sweep)."""
     block_n = next_pow2(n)
     main_n, tail_n = row_tiles(n)
     if TRITON_3_9 and has_bias and param_size == 2:
         # bf16 LayerNorm: the 3.6 choices below run 13-32% slower under 3.9 (H100 sweep of GPU time
-        # under 3.9 at 5120, 14336 and 16384, NOTES.md v8): 82% -> 98% of copy, 68% -> 83%, 74% -> 87%.
+        # under 3.9 at 5120, 14336 and 16384): 82% -> 98% of copy, 68% -> 83%, 74% -> 87%.
         # `python benchmarks/sweep_tiles.py --out sweep.json --cases fwd-5120,fwd-14336,fwd-16384 --norms layer`
         if (main_n, tail_n) == (4096, 1024):
             return TileConfig(block_m=1, block_n=4096, num_warps=4, tail_n=1024)
@@ -185,24 +185,24 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfi
         return TileConfig(block_m=1, block_n=block_n, num_warps=warps, programs_per_sm=per_sm)
     if n > MAX_FUSED_N_FWD or (n > 16384 and param_size >= 4 and has_bias):
         return FWD_CHUNKED_FP32_PARAMS if param_size >= 4 and has_bias else FWD_CHUNKED
-    if block_n == 1024 and has_bias:  # one row a program (H100 sweep of GPU time, NOTES.md v17: 95% vs 93% of copy)
+    if block_n == 1024 and has_bias:  # one row a program (H100 sweep of GPU time: 95% vs 93% of copy)
         return TileConfig(block_m=1, block_n=1024, num_warps=4)
-    if block_n <= 2048:  # small rows, QK-norm's 64-256 too: 2K-element tiles, 4 warps (H100 sweep, v4)
+    if block_n <= 2048:  # small rows, QK-norm's 64-256 too: 2K-element tiles, 4 warps (H100 sweep)
         return TileConfig(block_m=2048 // block_n, block_n=block_n, num_warps=4)
     return TileConfig(block_m=max(1, 8192 // block_n), block_n=block_n, num_warps=8 if block_n <= 8192 else 16)
 
 
 # Fused backward tiles by next_pow2(N): (rows per tile, warps, persistent programs per SM, pipeline
-# stages). From the H100 sweep of GPU time (benchmarks/NOTES.md, v5): small rows take 2-4K-element
-# tiles; from 1K columns up, one or two rows, more warps as the row grows, fewer programs per SM
-# as the dgamma/dbeta accumulators fill the registers. `python benchmarks/sweep_tiles.py --out sweep.json
+# stages). From the H100 sweep of GPU time: small rows take 2-4K-element tiles; from 1K columns up, one or
+# two rows, more warps as the row grows, fewer programs per SM as the dgamma/dbeta accumulators fill the
+# registers. `python benchmarks/sweep_tiles.py --out sweep.json
 # --cases bwd-64,bwd-128,bwd-256,bwd-1024,bwd-2048,bwd-4096,bwd-8192,bwd-16384`
-# The fused backward keeps the weight in registers up to this tile (H100 A/B of GPU time, NOTES.md
-# v7: fp32 weights at N = 5120 +12% (LayerNorm) / +10% (RMSNorm); at 16384 the registers spill, -34%).
+# The fused backward keeps the weight in registers up to this tile (H100 A/B of GPU time:
+# fp32 weights at N = 5120 +12% (LayerNorm) / +10% (RMSNorm); at 16384 the registers spill, -34%).
 HOIST_PARAMS_MAX_N_BWD = 8192
 # RMSNorm with a bf16 weight at 4097-5120 columns: a 4096 tile and a 512- or 1024-column tail instead
-# of one 8192 tile (H100 sweeps of GPU time, Triton 3.6 and 3.9, NOTES.md v8: 5120 90-91% vs 76% of
-# copy, 4608 87-88% vs 72%); slower for LayerNorm and fp32 weights (v7).
+# of one 8192 tile (H100 sweeps of GPU time, Triton 3.6 and 3.9: 5120 90-91% vs 76% of
+# copy, 4608 87-88% vs 72%); slower for LayerNorm and fp32 weights.
 # `python benchmarks/sweep_tiles.py --out sweep.json --cases bwd-4608,bwd-5120 --norms rms`
 BWD_TAIL_RMS = dict(block_m=1, block_n=4096, num_warps=8, programs_per_sm=2, num_stages=2, hoist_params=True)
 FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8, 8, 2, 1), 1024: (2, 4, 4, 2),
@@ -218,14 +218,14 @@ FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8,
 SPECIALIZED = {(9, 0): "staged"}
 
 # The staged forward for rows longer than MAX_FUSED_N_FWD (bf16/fp16 x, N % 16 == 0, no residual, 16-byte
-# aligned rows and parameters): x read once instead of twice. H100, % of copy, benchmark (NOTES.md v17, v19):
+# aligned rows and parameters): x read once instead of twice. H100, % of copy, benchmark:
 # RMSNorm 65536 97% vs 77% chunked, LayerNorm 65536 95% vs 76%. `python benchmarks/bench_kernels.py --out
-# staged.json --providers shardnorm --min-n 65536`, then the same with SHARDNORM_PORTABLE_KERNELS=1.
+# staged.json --providers shardnorm --shapes longrow`, then the same with SHARDNORM_PORTABLE_KERNELS=1.
 STAGED_FWD = StagedConfig(num_warps=32)
 
 # The staged backward, by (next_pow2(N), weight bytes, RMSNorm), where the row fits (norm_bwd_staged.fits) and
 # a call's rows are 16-byte aligned bf16/fp16 (`staged_rows`); other calls take the split backward. H100, bf16,
-# % of copy in GPU time, the split backward 59-61% in the same runs (NOTES.md v16, v17):
+# % of copy in GPU time, the split backward 59-61% in the same runs:
 # - whole rows in two slots, the next row's copies a row ahead (one 16384-column slice, 16 warps: 128
 #   registers a thread, where 32 warps spill LayerNorm's dgamma/dbeta sums): LayerNorm 14336 87-88%, 16384 96%.
 # - 16384-column slices in three slots, the next row's sums published before this row's are awaited, tagged
@@ -313,7 +313,7 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
 
 # One-pass backwards of at most this many elements (M * N) take every row in one program, which
 # stores dgamma/dbeta itself: no fp32 partial buffer and no column-sum launch, i.e. an allocation and
-# a launch less of host time, the whole cost at such sizes (NOTES.md v15: backward alone 35.7 -> 32.2 us
+# a launch less of host time, the whole cost at such sizes (backward alone 35.7 -> 32.2 us
 # for RMSNorm 8 x 4096 bf16 on CPU with a stubbed launch, pointers as ints included;
 # `python benchmarks/host_time.py --shapes 8x4096`).
 # One program walking 8 x 4096 bf16 (128 KB of x and dy) is a few us of GPU time.

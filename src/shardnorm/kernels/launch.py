@@ -2,7 +2,7 @@
 
 `kernel[grid](...)` binds and specializes every argument, reads Triton's knobs and builds a string
 cache key before it launches: ~38 us of host time per launch on the H100 machine's CPU, of which
-the launch itself is ~12 us (benchmarks/NOTES.md, v5). At small sizes a norm's whole kernel takes
+the launch itself is ~12 us (benchmarks/NOTES.md). At small sizes a norm's whole kernel takes
 that long, so a `Launcher` fixes a kernel's constexprs and launch options once and keys the compiled
 kernel on what Triton specializes a runtime argument on (a tensor's dtype and 16-byte alignment; an
 int's width, whether it is 1, whether 16 divides it) plus the device, and launches it as
@@ -29,7 +29,7 @@ from triton.runtime.jit import JITFunction
 
 # Cached launches pass tensors as ints (data_ptr()): Triton's C launcher then skips a data_ptr() call and a
 # driver query per pointer. False passes the tensors, for an A/B of host time; on the H100 machine the two were
-# within that CPU's noise (NOTES.md v15: -17 to +25 us per RMSNorm 8 x 4096 forward+backward either way;
+# within that CPU's noise (benchmarks/NOTES.md, -17 to +25 us per RMSNorm 8 x 4096 forward+backward either way;
 # `python benchmarks/host_time.py --out OUT` with this set to False and to True).
 INT_POINTERS = True
 
@@ -57,7 +57,7 @@ def _key(device, args) -> tuple:
 
 
 class Launcher:
-    """`kernel[grid](*args, num_warps=num_warps, **constexprs)` minus most of its host time (NOTES.md v6:
+    """`kernel[grid](*args, num_warps=num_warps, **constexprs)` minus most of its host time (benchmarks/NOTES.md:
     15.3 vs 21.8 us of host time per launch on the H100 machine, 32768 x 1024; host time per call: `python
     benchmarks/host_time.py --out OUT`). constexprs: all the kernel's constexpr parameters, which follow its runtime
     ones; cooperative: launched as a cooperative grid (the compiled kernel carries the flag, so the cached

@@ -195,7 +195,7 @@ def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_ce
 class _BwdPlan:
     """A backward's launches for one N, weight dtype, variant and device: configs and launchers are
     chosen once, so a call does only what depends on the tensors (M, allocations, pointers). At small
-    sizes the host time of a call is most of the backward's time (benchmarks/NOTES.md, v9).
+    sizes the host time of a call is most of the backward's time (benchmarks/NOTES.md).
     kernels: `config.specialized(device)`; a staged plan hands the calls its copies cannot take
     (`_stageable`) to the portable plan of the same shape."""
 
@@ -207,6 +207,8 @@ class _BwdPlan:
         self.grad_dtype = weight_dtype if has_weight else torch.float32
         param_size = weight_dtype.itemsize if has_weight else 2
         self.cfg = config.bwd_config(n, self.num_grads, param_size, rms, kernels)
+        if isinstance(self.cfg, config.StagedConfig) and kernels != "staged":  # a forced config (tests, sweeps)
+            self.cfg = config.BWD_SPLIT
         self.sms = config.sm_count(device)
         flags = dict(IS_RMS=rms, HAS_WEIGHT=has_weight, ZERO_CENTERED=zero_centered)
         if isinstance(self.cfg, config.StagedConfig):
