@@ -4,6 +4,11 @@ Hugging Face decoders, on the Triton kernels, exactly in the forward, and never 
 result."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,18 +16,33 @@ from conftest import reference_norm, rel_err
 from hf_tiny import LAYERS, batch, tiny_model
 
 import shardnorm
-from shardnorm import compile_fusion
+from shardnorm import _torch_compat, compile_fusion, settings
 
 
 @pytest.fixture(autouse=True)
-def _fresh_compiles(monkeypatch):
-    """Every compile here traces anew: Inductor's caches would hide what the pass does."""
+def _fusion_on_fresh_compiles():
+    """Every compile here traces anew (Inductor's caches would hide what the passes do), with the passes enabled.
+    Inductor's own `config.patch` sets and restores its config (the slots too, so `enable()` ends with the test):
+    monkeypatch's undo deletes an attribute it did not find in the module's `__dict__`, which on torch 2.13's config
+    module removes the entry for every later compile."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    slots = {slot: _torch_compat.inductor_graph_pass(slot) for slot in _torch_compat.INDUCTOR_PASS_SLOTS}
+    with inductor_config.patch(force_disable_caches=True, **slots):
+        compile_fusion.enable()
+        torch._dynamo.reset()
+        yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    """The torch reference backend (read once per process by shardnorm.settings: reloaded around the test)."""
+    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    settings.reload()
     yield
-    torch._dynamo.reset()
+    monkeypatch.undo()
+    settings.reload()
 
 
 def _fused_when_compiled(fn, *args):
@@ -47,10 +67,9 @@ class PreNorm(torch.nn.Module):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
-def test_hf_decoder_adds_fused_and_exact(arch, monkeypatch):
+def test_hf_decoder_adds_fused_and_exact(arch, torch_backend):
     """Every add that feeds a norm (the post-attention norms, each later layer's input norm, the final norm:
     2 per layer) is fused; logits and every parameter grad equal the unconverted model's in eager, fp32."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
     reference = tiny_model(arch, seed=3)
     model = shardnorm.convert(copy.deepcopy(reference)).model
     inputs = batch(reference, seed=4)
@@ -106,10 +125,9 @@ def test_fused_forward_is_bitwise_and_grads_match(backend, device, dtype, rms):
             assert rel_err(got_grad, want_grad) <= 1.01 * rel_err(unfused_grad, want_grad) + 1e-6, name
 
 
-def test_left_alone_where_fusing_would_change_something(monkeypatch):
+def test_left_alone_where_fusing_would_change_something(torch_backend):
     """Not fused, and still right: a dtype-promoting add (the norm's output would take x's dtype), a
-    broadcasting add, an add used before the norm, and with SHARDNORM_COMPILE_FUSION=0."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    broadcasting add, an add used before the norm, and with the passes disabled."""
     n = 48
     norm = shardnorm.RMSNorm(n)
     with torch.no_grad():
@@ -128,7 +146,7 @@ def test_left_alone_where_fusing_would_change_something(monkeypatch):
         for got, want in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(out, tuple) else (expected,)):
             assert got.dtype == want.dtype and rel_err(got, want) < 1e-6, name
 
-    monkeypatch.setenv(compile_fusion.ENV, "0")
+    compile_fusion.disable()
     out, fused = _fused_when_compiled(lambda x, r: norm(x + r), a.float(), a.float().flip(0))
     assert fused == 0 and rel_err(out, norm(a.float() + a.float().flip(0))) < 1e-6
 
@@ -202,23 +220,23 @@ def test_norm_bwd_op_with_grad_terms(backend, device, grads_path, n, terms, rms)
         torch.ops.shardnorm.norm_bwd(dys[0], None, x, w, mean, rstd, b is not None, rms, False, dys[1][:3])
 
 
-def test_grad_sum_left_alone_where_it_cannot_go_in(monkeypatch):
-    """Not fused, and still right: four terms (the op takes three) and SHARDNORM_COMPILE_FUSION=0."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+def test_grad_sum_left_alone_where_it_cannot_go_in(torch_backend):
+    """Not fused, and still right: four terms (the op takes three) and with the passes disabled."""
     x = torch.randn(5, 40, requires_grad=True)
     g = torch.randn(5, 16 * 10)
-    for heads, env in ((4, "1"), (3, "0")):
-        monkeypatch.setenv(compile_fusion.ENV, env)
+    for heads, enabled in ((4, True), (3, False)):
+        if not enabled:
+            compile_fusion.disable()
         model = Projections(shardnorm.RMSNorm(40), heads=heads)
         before = compile_fusion.counts["fused_grad_terms"]
         got = torch.autograd.grad(torch.compile(model)(x), [x, model.norm.weight], g[:, :8 * heads * (heads + 1)])
-        assert compile_fusion.counts["fused_grad_terms"] == before, (heads, env)
+        assert compile_fusion.counts["fused_grad_terms"] == before, (heads, enabled)
         want = torch.autograd.grad(model(x), [x, model.norm.weight], g[:, :8 * heads * (heads + 1)])
-        assert all(rel_err(a, b) < 1e-5 for a, b in zip(got, want)), (heads, env)
+        assert all(rel_err(a, b) < 1e-5 for a, b in zip(got, want)), (heads, enabled)
         torch._dynamo.reset()
 
 
-def test_hf_trainer_torch_compile(tmp_path, monkeypatch):
+def test_hf_trainer_torch_compile(tmp_path, torch_backend):
     """transformers' own Trainer with `torch_compile=True` after `enable(trainer)`: the residual adds fuse inside
     the model Trainer compiles, and its losses equal the eager Trainer's with the model's own norms (fp32,
     gradient accumulation 2, clipping)."""
@@ -227,7 +245,6 @@ def test_hf_trainer_torch_compile(tmp_path, monkeypatch):
 
     from shardnorm.integrations.transformers import enable
 
-    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
     path = tmp_path / "qwen3"
     _save_tiny_qwen3(path, seed=5)
     data = _Tokens(4 * STEPS, seed=6)
@@ -250,14 +267,106 @@ def test_hf_trainer_torch_compile(tmp_path, monkeypatch):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
 
 
-def test_reinstalled_after_the_slot_was_reset(monkeypatch):
-    """Inductor's slot emptied after an earlier compile (a `config.patch` leaving, or the user): the next trace
-    of the op puts the pass back, and the add fuses."""
-    import torch._inductor.config as inductor_config
+class UserPass(_torch_compat.inductor_graph_pass_base()):
+    """A user's own Inductor pass, set before shardnorm's: counts the graphs it sees."""
 
-    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
-    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", None)
-    model = PreNorm(shardnorm.RMSNorm(32))
-    a, b = torch.randn(4, 32), torch.randn(4, 32)
+    def __init__(self, tag: str):
+        self.tag, self.calls = tag, 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return f"user-{self.tag}"
+
+
+def _set_slots(passes: dict) -> None:
+    for slot, graph_pass in passes.items():
+        _torch_compat.set_inductor_graph_pass(slot, graph_pass)
+
+
+def _compile_prenorm(seed: int):
+    """PreNorm(RMSNorm) compiled, forward and backward; (adds fused, h, y, a, b, model)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = PreNorm(shardnorm.RMSNorm(32, eps=1e-5))
+    a, b = (torch.randn(4, 32, generator=gen).requires_grad_() for _ in range(2))
+    torch._dynamo.reset()
     (y, h), fused = _fused_when_compiled(model, a, b)
-    assert fused == 1 and torch.equal(h, a + b) and rel_err(y, model.norm(a + b)) < 1e-6
+    (y.square().sum() + h.sum()).backward()
+    return fused, y, h, a, b, model
+
+
+def test_enable_runs_after_the_users_passes_and_disable_restores_them(torch_backend):
+    """A user's own passes stay in Inductor's slots and run first, their uuids part of the chain's; enabling twice
+    installs once; disable() leaves exactly the user's passes. A plain function of the user's is kept too (a chain
+    without a uuid: Inductor then skips its caches rather than serve a stale graph)."""
+    compile_fusion.disable()
+    users = {slot: UserPass(slot) for slot in _torch_compat.INDUCTOR_PASS_SLOTS}
+    _set_slots(users)
+    compile_fusion.enable()
+    compile_fusion.enable()
+    assert compile_fusion.is_enabled()
+    for slot, user in users.items():
+        installed = _torch_compat.inductor_graph_pass(slot)
+        assert installed.previous is user and installed.uuid()[0] == user.uuid(), slot
+
+    fused, y, h, a, b, model = _compile_prenorm(seed=11)
+    assert fused == 1 and all(user.calls > 0 for user in users.values())
+    want_h = a.detach().double() + b.detach().double()
+    assert rel_err(h, want_h) < 1e-6
+    assert rel_err(y, reference_norm(want_h, model.norm.weight.detach(), None, None, model.norm.eps, True)) < 1e-5
+
+    compile_fusion.disable()
+    assert not compile_fusion.is_enabled()
+    assert all(_torch_compat.inductor_graph_pass(slot) is user for slot, user in users.items())
+    calls = {slot: user.calls for slot, user in users.items()}
+    fused, *_ = _compile_prenorm(seed=12)
+    assert fused == 0 and all(user.calls > calls[slot] for slot, user in users.items())
+
+    seen = []
+    _torch_compat.set_inductor_graph_pass(_torch_compat.INDUCTOR_PRE_GRAD_SLOT, lambda graph: seen.append(graph))
+    compile_fusion.enable()
+    assert _torch_compat.inductor_graph_pass(_torch_compat.INDUCTOR_PRE_GRAD_SLOT).uuid() is None
+    fused, *_ = _compile_prenorm(seed=13)
+    assert fused == 1 and seen
+
+
+def test_setting_enables_the_passes_at_the_first_trace(torch_backend, monkeypatch):
+    """SHARDNORM_COMPILE_FUSION=0 (the default): tracing a norm leaves Inductor's config alone; =1: the first trace
+    enables the passes, in time for that compile."""
+    compile_fusion.disable()
+    monkeypatch.setenv("SHARDNORM_COMPILE_FUSION", "0")
+    settings.reload()
+    fused, *_ = _compile_prenorm(seed=21)
+    assert fused == 0 and not compile_fusion.is_enabled()
+
+    monkeypatch.setenv("SHARDNORM_COMPILE_FUSION", "1")
+    settings.reload()
+    fused, y, h, a, b, _ = _compile_prenorm(seed=22)
+    assert fused == 1 and compile_fusion.is_enabled()
+    assert rel_err(h, a.detach().double() + b.detach().double()) < 1e-6
+
+
+def test_fx_graph_cache_hit_in_a_fresh_process(tmp_path):
+    """Two fresh processes compile the same block with shardnorm's passes (after a user's own pass) into one
+    Inductor cache dir: the second takes every graph from the FX graph cache (so the passes do not run there),
+    neither logs a pickling failure, and both pickle the pass slots to the same bytes (torch 2.11 hashes them into
+    the cache key; a pass of a local class cannot be pickled at all, and Inductor then bypasses its cache)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    for name in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_FX_GRAPH_CACHE", "SHARDNORM_BACKEND"):
+        env.pop(name, None)
+    runs = [subprocess.run([sys.executable, str(root / "tests" / "compile_cache_child.py")], env=env,
+                           capture_output=True, text=True, timeout=900) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert "pickle" not in run.stderr.lower(), run.stderr[-4000:]
+    first, second = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
+    assert first["fused_adds"] == 1 and first["fused_grad_terms"] == 2 and first["user_pass_calls"] > 0
+    assert first["fxgraph_cache_miss"] > 0 and first["fxgraph_cache_bypass"] == 0
+    assert second["fxgraph_cache_hit"] > 0, second
+    assert second["fxgraph_cache_miss"] == 0 and second["fxgraph_cache_bypass"] == 0, second
+    assert second["fused_adds"] == second["fused_grad_terms"] == 0  # the cached graphs were fused already
+    assert first["slots_digest"] == second["slots_digest"]
+    assert first["grads"] == second["grads"]  # the same compiled code

@@ -167,27 +167,36 @@ def test_fsdp2_state_internals():
     spawn(_fsdp2_state, 1)
 
 
-@pytest.mark.parametrize("slot", ["pre_grad_custom_pass", "post_grad_custom_post_pass"])
-def test_inductor_graph_pass_runs_after_an_existing_one(slot):
-    """Inductor's custom pass slots still exist and take a CustomGraphPass; a user's pass set before
-    shardnorm's is kept and runs first; installing twice installs once; no uuid on the user's pass, no caching."""
+@pytest.mark.parametrize("slot", compat.INDUCTOR_PASS_SLOTS)
+def test_inductor_graph_pass_slot_runs_a_custom_graph_pass(slot):
+    """Inductor's custom pass slots still exist, read back what was set, and run a `CustomGraphPass` set there on
+    the graphs Inductor compiles (caches off: a cached graph runs no pass)."""
     import torch._inductor.config as inductor_config
 
     assert hasattr(inductor_config, slot), _gone(f"torch._inductor.config.{slot}")
+    assert compat.inductor_loaded()
     seen = []
-    saved = getattr(inductor_config, slot)
-    try:
-        setattr(inductor_config, slot, lambda graph: seen.append("user"))
-        marker = lambda graph: seen.append("shardnorm")  # noqa: E731
-        assert compat.add_inductor_graph_pass(slot, marker, lambda: "v1")
-        assert compat.add_inductor_graph_pass(slot, marker, lambda: "v1")
-        getattr(inductor_config, slot)(torch.fx.Graph())
-        assert seen == ["user", "shardnorm"]
-        assert getattr(inductor_config, slot).uuid() is None
-    finally:
-        setattr(inductor_config, slot, saved)
+
+    class Marker(compat.inductor_graph_pass_base()):
+        def __call__(self, graph):
+            seen.append(len(graph.nodes))
+
+        def uuid(self):
+            return "marker"
+
+    with inductor_config.patch({"force_disable_caches": True, slot: compat.inductor_graph_pass(slot)}):
+        marker = Marker()
+        compat.set_inductor_graph_pass(slot, marker)
+        assert compat.inductor_graph_pass(slot) is marker
+        torch._dynamo.reset()
+        x = torch.randn(8)
+        assert torch.allclose(torch.compile(lambda t: (t * 2).sin(), fullgraph=True)(x), (x * 2).sin())
+        torch._dynamo.reset()
+    assert seen, _gone(f"torch._inductor.config.{slot} running a CustomGraphPass")
 
 
 def test_inductor_graph_pass_slot_is_checked():
     with pytest.raises(ValueError, match="slot must be one of"):
-        compat.add_inductor_graph_pass("post_grad_custom_pre_pas", lambda graph: None, lambda: "v1")
+        compat.inductor_graph_pass("post_grad_custom_pre_pas")
+    with pytest.raises(ValueError, match="slot must be one of"):
+        compat.set_inductor_graph_pass("post_grad_custom_pre_pas", None)

@@ -23,6 +23,8 @@ nn.Module hook dicts (`_forward_pre_hooks`, `_backward_hooks`, ...) and `Tensor.
   styles), leaving everyone else's.
 Inductor: `torch._inductor.config.pre_grad_custom_pass` / `post_grad_custom_post_pass` and
   `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes, set and removed there).
+Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then take the custom op,
+  so a mode such as selective activation checkpointing's sees the norm as one op).
 
 Framework-specific internals stay in their adapter (DeepSpeed's AutoTP partition specs and flag:
 `shardnorm/integrations/deepspeed_autotp.py`); Triton's launch internals in `shardnorm/kernels/launch.py`.
@@ -212,3 +214,11 @@ def _inductor_config(slot: str):
     import torch._inductor.config as config
 
     return config
+
+
+# ---- dispatch ----------------------------------------------------------------------------------------------
+
+def dispatch_modes_active() -> bool:
+    """Whether a TorchDispatchMode is active on this thread (selective activation checkpointing's caching mode,
+    FlopCounterMode, FakeTensorMode, ...): such a mode sees only the ops dispatched under it."""
+    return torch._C._len_torch_dispatch_stack() > 0

@@ -1,4 +1,5 @@
-"""Under torch.compile, the adds around a shardnorm norm run inside the norm's kernels.
+"""Under torch.compile, the adds around a shardnorm norm run inside the norm's kernels: two Inductor graph passes,
+installed by `enable()`, off by default.
 
 Inductor fuses neighbouring adds into its own norm kernels, but cannot look inside a custom op. Two graph
 passes give ours the same:
@@ -13,8 +14,27 @@ passes give ours the same:
   becomes `norm_bwd(dy1, ..., dy2=dy2, dy3=dy3)`, summed in fp32 inside the kernel (no add kernel that
   writes the sum and reads it back).
 
-Installed by the op's first trace under Inductor (`ops._norm_fwd_fake`); `SHARDNORM_COMPILE_FUSION=0`
-turns both off. `counts` holds what they did (graphs seen, adds fused, grad terms fused) for logs and tests.
+Turning them on:
+
+    import shardnorm.compile_fusion
+    shardnorm.compile_fusion.enable()   # before torch.compile runs; disable() takes them out again
+
+or `SHARDNORM_COMPILE_FUSION=1`, which enables them the first time Inductor traces a shardnorm norm (for scripts
+you do not edit). They go into Inductor's config (`pre_grad_custom_pass`,
+`post_grad_custom_post_pass`; on torch >= 2.13 a config value set in code holds for the thread that set it),
+after any pass of your own already there, which is kept and runs first; `disable()` puts back what was there.
+
+Off by default because they change a global compiler setting and their measured end-to-end gain is within run-to-run
+noise. On an H100 (torch 2.11; compiled Hugging Face Llama, Qwen3 and Gemma training steps, benchmarks/NOTES.md v12,
+v13 and v16b) they cut the GPU time outside the GEMMs of a Llama step from 9.88 to 9.03 ms (native compile: 9.11 ms),
+but the whole ~104 ms step moved by -1.9 to +1.3 ms with them across interleaved runs (mean +0.1 ms), and the paired
+per-run effect was significant in both directions (-0.61 to +1.00 ms). One run of the main job compiled on one GPU
+(not interleaved, benchmarks/gpu-runs.md Session 11): 191.8 ms per step without them, 186.2 ms with them.
+
+The passes are module-level `CustomGraphPass` objects with a stable `uuid()` (this file's contents): Inductor's FX
+graph cache keys on it, and a compile in a fresh process hits the cache entries an earlier process wrote (with a
+pass that has no uuid, such as a plain function of yours, Inductor bypasses its cache). `counts` holds what they did
+(graphs seen, adds fused, grad terms fused) for logs and tests.
 """
 
 import collections
@@ -22,38 +42,118 @@ import functools
 import hashlib
 import logging
 import operator
-import os
 
 import torch
 from torch import fx
 
-from . import _torch_compat
+from . import _torch_compat, settings
 from .ops import as_rows
 
-ENV = "SHARDNORM_COMPILE_FUSION"
 counts = collections.Counter()
 _log = logging.getLogger(__name__)
 
-
-def install() -> bool:
-    """Hand both passes to Inductor, unless it holds them already (checked each time: a `config.patch` or the user
-    may have replaced them since). Cheap: called from the op's fake impl, i.e. while tracing only. False while
-    Inductor is not loaded."""
-    return (_torch_compat.add_inductor_graph_pass("pre_grad_custom_pass", fuse_residual_adds, _uuid)
-            and _torch_compat.add_inductor_graph_pass("post_grad_custom_post_pass", fuse_grad_terms, _uuid))
+# Inductor's base class for a graph pass its caches can key on. This module is imported for torch.compile only
+# (Dynamo has imported Inductor by the time it traces a norm), so the import costs nothing there.
+_GraphPass = _torch_compat.inductor_graph_pass_base()
 
 
-def _enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+class FusionPass(_GraphPass):
+    """Shardnorm's pass `name` at its Inductor slot, run after `previous`: what the slot held when it was enabled
+    (None, one pass, or a list of passes), kept and run first.
+
+    Pickles as (name, previous): Inductor pickles the slots' values into its cache key (torch 2.11 pickles the whole
+    config), so the same passes give the same key in every process. A pass of a local class could not be pickled
+    at all: Inductor then logs "Failed to pickle cache key" and compiles every graph anew."""
+
+    def __init__(self, name: str, previous=None):
+        if name not in PASSES:
+            raise ValueError(f"name must be one of {tuple(PASSES)}, got {name!r}")
+        self.name, self.previous = name, previous
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for earlier in _as_tuple(self.previous):
+            earlier(graph)
+        PASSES[self.name][1](graph)
+
+    def uuid(self):
+        """The earlier passes' uuids and this pass's name and source; None (no caching) if an earlier pass has none:
+        Inductor could not tell when that pass changes."""
+        keys = [p.uuid() if isinstance(p, _GraphPass) else None for p in _as_tuple(self.previous)]
+        if any(key is None for key in keys):
+            return None
+        return (*keys, f"shardnorm.compile_fusion.{self.name}:{_source_hash()}")
+
+    def __reduce__(self):
+        return FusionPass, (self.name, self.previous)
+
+    def __repr__(self):
+        return f"FusionPass({self.name!r}, previous={self.previous!r})"
 
 
-def _uuid() -> str:
-    """This file's contents and the on/off switch: what Inductor's caches must see change."""
-    return f"{_source_hash()}-{int(_enabled())}"
+def enable() -> None:
+    """Run both passes in every graph Inductor compiles from now on, after the passes already set in their slots.
+    Idempotent. Takes effect for compiles that start afterwards (a function compiled before keeps its code until
+    Dynamo recompiles it, e.g. after `torch._dynamo.reset()`)."""
+    installed = []
+    for name, (slot, _) in PASSES.items():
+        current = _torch_compat.inductor_graph_pass(slot)
+        if not _holds(current, name):
+            _torch_compat.set_inductor_graph_pass(slot, FusionPass(name, current))
+            installed.append(name)
+    if installed:
+        _log.info("shardnorm.compile_fusion: Inductor passes %s enabled (residual adds into norm_fwd, grad sums into "
+                  "norm_bwd; shardnorm.compile_fusion.disable() removes them)", ", ".join(installed))
+
+
+def disable() -> None:
+    """Take both passes out of Inductor's config, leaving the passes that were set before or after them."""
+    if not _torch_compat.inductor_loaded():  # nothing can have been installed
+        return
+    for name, (slot, _) in PASSES.items():
+        current = _torch_compat.inductor_graph_pass(slot)
+        if _holds(current, name):
+            _torch_compat.set_inductor_graph_pass(slot, _without(current, name))
+
+
+def is_enabled() -> bool:
+    """Whether both passes are in Inductor's config (for this thread on torch >= 2.13)."""
+    return _torch_compat.inductor_loaded() and all(
+        _holds(_torch_compat.inductor_graph_pass(slot), name) for name, (slot, _) in PASSES.items())
+
+
+def enable_if_requested() -> None:
+    """`enable()` if SHARDNORM_COMPILE_FUSION=1. The op's fake impl calls this each time Dynamo traces a norm."""
+    if settings.get().compile_fusion and not is_enabled():
+        enable()
+
+
+def _as_tuple(passes) -> tuple:
+    return () if passes is None else tuple(passes) if isinstance(passes, (list, tuple)) else (passes,)
+
+
+def _holds(passes, name: str) -> bool:
+    """Whether shardnorm's pass `name` is among `passes` (a slot's value), before or after other passes."""
+    for p in _as_tuple(passes):
+        if isinstance(p, FusionPass) and (p.name == name or _holds(p.previous, name)):
+            return True
+    return False
+
+
+def _without(passes, name: str):
+    """A slot's value without shardnorm's pass `name`: the passes around it stay, in order."""
+    if isinstance(passes, FusionPass):
+        if passes.name == name:
+            return _without(passes.previous, name)
+        return FusionPass(passes.name, _without(passes.previous, name))
+    if isinstance(passes, (list, tuple)):
+        kept = [q for p in passes for q in _as_tuple(_without(p, name))]
+        return type(passes)(kept) if kept else None
+    return passes
 
 
 @functools.cache
 def _source_hash() -> str:
+    """This file's contents: what Inductor's caches must see change."""
     with open(__file__, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
@@ -61,8 +161,6 @@ def _source_hash() -> str:
 def fuse_residual_adds(graph: fx.Graph) -> int:
     """Rewrite each `norm_fwd(rows(a + b))` without a residual into `norm_fwd(rows(a), residual=rows(b))`
     whose second output replaces a + b everywhere. Returns the number fused in `graph`."""
-    if not _enabled():
-        return 0
     norm_op = torch.ops.shardnorm.norm_fwd.default
     fused = 0
     for norm in [n for n in graph.nodes if n.op == "call_function" and n.target is norm_op]:
@@ -165,8 +263,6 @@ _BWD_ARGS = 9  # norm_bwd's arguments before dy2, dy3 (dy ... zero_centered)
 def fuse_grad_terms(graph: fx.Graph) -> int:
     """Rewrite each `norm_bwd(view(t1 + t2 [+ t3]), ...)` (every add and view used only there) into
     `norm_bwd(view(t1), ..., dy2=view(t2)[, dy3=view(t3)])`. Returns the number of adds removed."""
-    if not _enabled():
-        return 0
     norm_bwd = torch.ops.shardnorm.norm_bwd.default
     removed = 0
     for norm in [n for n in graph.nodes if n.op == "call_function" and n.target is norm_bwd]:
@@ -235,3 +331,8 @@ def _chain(dy: fx.Node, stop: set) -> list:
             out.append(node)
             stack.extend(a for a in node.args if isinstance(a, fx.Node))
     return out
+
+
+# name -> (Inductor slot, the rewrite)
+PASSES = {"fuse_residual_adds": (_torch_compat.INDUCTOR_PRE_GRAD_SLOT, fuse_residual_adds),
+          "fuse_grad_terms": (_torch_compat.INDUCTOR_POST_GRAD_SLOT, fuse_grad_terms)}

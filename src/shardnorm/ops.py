@@ -8,7 +8,9 @@ Two entry points share one forward, one saved state and one backward:
 
 Why not the custom op everywhere: its dispatch costs ~50 us of host time more per eager call than
 `Function.apply` on CI's CPU (`python benchmarks/host_time.py`: rows `shardnorm_custom_op` against
-`shardnorm_functional`), as long as the whole kernel at small shapes. Tensor subclasses other than a collective's pending result take the custom op, whose dispatch unwraps them.
+`shardnorm_functional`), as long as the whole kernel at small shapes. Tensor subclasses other than a collective's pending result take the custom op, whose dispatch unwraps them;
+so do calls under a TorchDispatchMode, which then sees the norm as one op (`shardnorm.norm_fwd`) rather than the
+kernels' output allocations: selective activation checkpointing's policy can save or recompute it as a whole.
 
 `norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
 `norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy2=None, dy3=None) -> (dx, dw, db)` work
@@ -30,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference, settings
+from . import _torch_compat, reference, settings
 
 
 def _backend(t: Tensor):
@@ -114,9 +116,9 @@ def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residu
 
 @norm_fwd.register_fake
 def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
-    from . import compile_fusion  # traced for torch.compile (only then): let Inductor fuse the adds around this op
+    from . import compile_fusion  # traced for torch.compile (only then): SHARDNORM_COMPILE_FUSION=1 enables its passes
 
-    compile_fusion.install()
+    compile_fusion.enable_if_requested()
     M, N = x.shape
     z = x.new_empty((M, N), dtype=torch.result_type(x, residual)) if residual is not None else x.new_empty(0)
     stats = lambda rows: x.new_empty(rows, dtype=torch.float32)  # noqa: E731
@@ -189,7 +191,7 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
          eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
     eps = float(eps)
-    if not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual):
+    if not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) and not _dispatch_modes_active():
         if residual is None:
             return _NormFunction.apply(x, weight, bias, None, eps, rms, zero_centered), None
         return _NormFunction.apply(x, weight, bias, residual, eps, rms, zero_centered)
@@ -205,3 +207,6 @@ def norm_forward_into(y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Op
     with torch.no_grad():
         _backend(src).norm_fwd(src, weight, bias, None, float(eps), rms, zero_centered, y=y)
     return y
+
+
+_dispatch_modes_active = _torch_compat.dispatch_modes_active
