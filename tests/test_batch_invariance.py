@@ -109,3 +109,13 @@ def test_long_rows(long_rows, rms, dtype, weight_dtype, strided):
     assert not fwd.single_pass
     assert isinstance(config.bwd_config(300, 1 if rms else 2, weight_dtype.itemsize, rms), config.SplitBwdConfig)
     _check(300, rms, dtype, weight_dtype, strided)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="rows this long take minutes under the interpreter")
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+@pytest.mark.parametrize("n", [20000, 40000, 65536])
+@pytest.mark.parametrize("strided", [False, True], ids=["dense_dy", "strided_dy"])
+def test_long_rows_with_default_kernels(rms, n, strided):
+    """Long rows with the default limits: on Hopper the staged kernels (backward from 20000, forward from 40000)
+    for bf16 rows, which hold whole rows per program; elsewhere the chunked forward and split backward."""
+    _check(n, rms, torch.bfloat16, torch.bfloat16, strided)

@@ -1,22 +1,22 @@
 """Long-row backward with the row staged in shared memory (Gluon), so x and dy are read from HBM once.
 
 Triton's `tl` keeps a tile in registers, and a 14336-16384-column LayerNorm row (x, dy and the
-dgamma/dbeta accumulators) does not fit one program's registers: the `tl` paths read the row twice
-(split backward) or exchange row sums between programs (cooperative backward). Here persistent programs
+dgamma/dbeta accumulators) does not fit one program's registers: the `tl` split backward reads the row
+twice (59-61 % of copy on an H100). Here persistent programs
 own rows, or column slices of rows: a program copies its slice of a row's x and dy into shared memory chunk
 by chunk with `cp.async`, takes the two row sums from there, then reads the chunks again for dx. Rows are
 held in two or three row slots, so the next row's copies are issued a whole row ahead of its use. The
 slices of a row meet as tagged 64-bit words (relaxed stores and polls, no fence, launched cooperatively);
 one slice (rows to 16384 columns) needs no exchange. The fp32 dgamma/dbeta sums stay in registers (up to
 half the register file) and go to the same [P, G*N] partial buffer and `column_sum_kernel` as the other
-backwards (deterministic).
+backwards (deterministic). Which rows take it: `config.STAGED_BWD` (with the numbers that justify it).
 
 Every thread reads back only the elements it copied itself (one distributed layout for the copies and
 the loads), so a chunk is ready for a thread once its own copy group has landed (the block barriers
 the compiler adds around shared memory are not needed for it). Gluon does not run under
 TRITON_INTERPRET: the split backward, the same math in `tl`, is what CI checks on CPU; these kernels
 are checked against float64 on the GPU (tests/test_long_rows_staged.py). Shared memory is sized for
-Hopper (`config.staged`).
+Hopper (`config.SPECIALIZED`).
 """
 
 import functools
@@ -26,7 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-SMEM_BYTES = 227 * 1024  # Hopper's opt-in shared memory per block (config.staged: sm_90 only)
+SMEM_BYTES = 227 * 1024  # Hopper's opt-in shared memory per block (config.SPECIALIZED: sm_90 only)
 MAX_CHUNKS = 4  # register sums for up to 4 chunks (below)
 MAX_SUMS = 32768  # fp32 dgamma/dbeta sums per program: half the register file (256 KB)
 EXCHANGE_RING = 4  # rows of tagged words per group in the sliced kernel's exchange (RING >= 2 + 2 * LEAD)
