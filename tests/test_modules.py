@@ -115,27 +115,51 @@ def test_convert_keeps_parameters_and_outputs():
     assert count == 1 and type(only_ln[1]) is torch.nn.RMSNorm
 
 
-def test_torch_compile_fullgraph_matches_eager():
-    torch._dynamo.reset()
+@pytest.mark.parametrize("fusion", [False, True], ids=["default", "compile_fusion"])
+def test_torch_compile_fullgraph_matches_eager(fusion):
+    """torch.compile(fullgraph=True) of shardnorm modules, plain and residual form, compiles without a graph break
+    and matches eager and float64 (output, input and parameter grads), with compile_fusion's passes off (the
+    default) and enabled (then the add in front of the LayerNorm runs inside its kernel). Inductor's config is set
+    through its own `config.patch`, which restores it (monkeypatching it deletes entries on torch 2.13)."""
+    import torch._inductor.config as inductor_config
+
+    from shardnorm import _torch_compat, compile_fusion
 
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm = shardnorm.RMSNorm(32)
+            self.norm = shardnorm.RMSNorm(32, eps=1e-5)
             self.ln = shardnorm.LayerNorm(32)
             self.proj = torch.nn.Linear(32, 32)
 
         def forward(self, x, residual):
             h, residual = self.norm(x, residual)
-            return self.ln(self.proj(h)) + residual
+            return self.ln(self.proj(h) + residual)
 
     model = Block()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
-    x, r = torch.randn(4, 32, requires_grad=True), torch.randn(4, 32)
+    x, r = torch.randn(2, 4, 32, requires_grad=True), torch.randn(2, 4, 32)
+    params = [x, *model.parameters()]
     eager = model(x, r)
-    (eager_dx,) = torch.autograd.grad(eager.square().sum(), x)
-    compiled = torch.compile(model, fullgraph=True)(x, r)
-    (compiled_dx,) = torch.autograd.grad(compiled.square().sum(), x)
-    assert rel_err(compiled, eager) < 1e-6 and rel_err(compiled_dx, eager_dx) < 1e-6
+    eager_grads = torch.autograd.grad(eager.square().sum(), params)
+
+    slots = {slot: _torch_compat.inductor_graph_pass(slot) for slot in _torch_compat.INDUCTOR_PASS_SLOTS}
+    with inductor_config.patch(force_disable_caches=True, **slots):
+        if fusion:
+            compile_fusion.enable()
+        torch._dynamo.reset()
+        fused_before = compile_fusion.counts["fused_adds"]
+        compiled = torch.compile(model, fullgraph=True)(x, r)
+        compiled_grads = torch.autograd.grad(compiled.square().sum(), params)
+        torch._dynamo.reset()
+    assert compile_fusion.counts["fused_adds"] - fused_before == int(fusion)
+
+    x64, r64, w1, w2, b2, pw, pb = (t.detach().double().requires_grad_() for t in (x, r, *model.parameters()))
+    h64 = reference_norm(x64, w1, None, r64, 1e-5, rms=True)
+    want = reference_norm(h64 @ pw.T + pb, w2, b2, x64 + r64, 1e-5, rms=False)
+    want_grads = torch.autograd.grad(want.square().sum(), [x64, w1, w2, b2, pw, pb])
+    assert rel_err(compiled, eager) < 1e-6 and rel_err(compiled, want) < 1e-5
+    for i, (got, eager_grad, want_grad) in enumerate(zip(compiled_grads, eager_grads, want_grads)):
+        assert rel_err(got, eager_grad) < 1e-5 and rel_err(got, want_grad) < 1e-5, i
