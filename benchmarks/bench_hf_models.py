@@ -14,8 +14,8 @@ The variants of one (arch, mode) are built side by side and their steps interlea
 C ...), so the GPU's clock drift and a slow spell of the shared machine hit them alike (timing each
 variant's round in turn favoured whichever went first: 102.5 ms then 105.3 and 105.6 for the same model). Peak memory is
 each variant's own: the rise over what was resident before its timed steps, plus its parameters.
-In compile mode `shardnorm_unfused` is shardnorm with SHARDNORM_COMPILE_FUSION=0 (the residual add and the
-sum of the norm's output grads outside the norm's kernels): what `compile_fusion.py` is worth.
+In compile mode `shardnorm` runs with `shardnorm.compile_fusion.enable()` and `shardnorm_unfused` without it (the
+residual add and the sum of the norm's output grads outside the norm's kernels): what `compile_fusion.py` is worth.
 
 Weights are random (seeded), norm weights moved off their init (+ N(0, 0.2)) so a scale error shows.
 Liger (liger_kernel): `apply_liger_kernel_to_<arch>(model=..., rms_norm=True, everything else False)`,
@@ -136,29 +136,32 @@ def patch_liger(model, arch):
 
 def patch_shardnorm_unfused(model, arch):
     model, notes = patch_shardnorm(model, arch)
-    return model, notes + ", compile fusion off"  # compile_fusion_off (below) sets the switch while it compiles
+    return model, notes + ", compile fusion off"  # compile_fusion_for (below) leaves the passes off for it
 
 
 PATCHES = {"native": lambda model, arch: (model, "the model's own norms"), "shardnorm": patch_shardnorm,
            "shardnorm_unfused": patch_shardnorm_unfused, "liger": patch_liger}
 
 
-class compile_fusion_off:
-    """SHARDNORM_COMPILE_FUSION=0 while the unfused variant compiles (its first steps); restored after."""
+class compile_fusion_for:
+    """shardnorm's compile passes (`compile_fusion.enable()`) while the `shardnorm` variant compiles (its first
+    steps), off for every other variant; off again after."""
 
     def __init__(self, variant):
-        self.on = variant == "shardnorm_unfused"
+        self.on = variant == "shardnorm"
 
     def __enter__(self):
-        self.saved = os.environ.get("SHARDNORM_COMPILE_FUSION")
+        from shardnorm import compile_fusion
+
         if self.on:
-            os.environ["SHARDNORM_COMPILE_FUSION"] = "0"
+            compile_fusion.enable()
+        else:
+            compile_fusion.disable()
 
     def __exit__(self, *exc):
-        if self.saved is None:
-            os.environ.pop("SHARDNORM_COMPILE_FUSION", None)
-        else:
-            os.environ["SHARDNORM_COMPILE_FUSION"] = self.saved
+        from shardnorm import compile_fusion
+
+        compile_fusion.disable()
 
 
 class restore_module_globals:
@@ -256,7 +259,7 @@ def fp32_reference(arch, args) -> dict:
 def prepare_case(arch, mode, variant, args, refs):
     """Build and patch one variant, take its first step (compiles; compared with refs["native"], the native
     eager bf16 step, and refs["fp32"]) and warm it up. Returns (row, first step, step, params)."""
-    with restore_module_globals(arch), compile_fusion_off(variant):
+    with restore_module_globals(arch), compile_fusion_for(variant):
         model = build(arch, args.layers)
         model, notes = PATCHES[variant](model, arch)
         ids = _tokens()

@@ -36,7 +36,7 @@ def kind(name: str) -> str:
 
 
 def profile_variant(arch: str, variant: str, layers: int) -> dict:
-    with bench.restore_module_globals(arch), bench.compile_fusion_off(variant):
+    with bench.restore_module_globals(arch), bench.compile_fusion_for(variant):
         model = bench.build(arch, layers)
         model, notes = bench.PATCHES[variant](model, arch)
         runner = torch.compile(model)
