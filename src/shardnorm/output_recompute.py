@@ -8,13 +8,15 @@ layernorm`, without naming the consumers):
 
 - Release: when the forward of the module that called the norm (its *parent*: the decoder layer) returns,
   every consumer inside it has saved y. The norm's storage is then resized to 0 bytes; the tensor objects
-  (y, the views the matmuls saved) stay, so autograd's saved-tensor bookkeeping and version counters are
-  untouched. Kept instead of released: y (or a view of it) is part of the parent's output (a final norm whose
-  output goes to lm_head outside), grad is off or y needs no grad, the call is inside a backward
-  (a checkpoint's recompute) or under saved-tensors hooks (non-reentrant `torch.utils.checkpoint`,
-  `save_on_cpu`: they manage the saved tensors themselves), under torch.compile or a functorch transform,
-  the parent's forward raised, no output of the parent carries a grad_fn of its own, or a DTensor output
-  is sharded over the normalized dims (its recompute needs collectives).
+  (y, the views and aliases the matmuls saved) stay, so autograd's saved-tensor bookkeeping and version
+  counters are untouched. y is held through a weak reference to its storage only. Kept instead of released:
+  y (or a view of it) is part of the parent's output (a final norm whose output goes to lm_head outside),
+  grad is off or y needs no grad, the call is inside a backward (a checkpoint's recompute) or under
+  saved-tensors hooks (non-reentrant `torch.utils.checkpoint`, `save_on_cpu`: they manage the saved tensors
+  themselves), under torch.compile or a functorch transform, the parent's forward raised, no output of the
+  parent carries a grad_fn of its own, or a DTensor output is sharded over the normalized dims (its
+  recompute needs collectives). Nothing to release (nor recompute): nothing holds y's storage at the
+  parent's return (sequence parallel: the matmuls save the all-gathered input, not the norm's shard).
 - Refill: a pre-hook on the autograd node of each of the parent's outputs (`Node.register_prehook`, which
   runs after the tensor hooks that FSDP2 puts on the same outputs to unshard the parameters) resizes the
   storage back and runs the norm's forward into it (`ops.norm_forward_into`, same backend and kernel on the
@@ -30,8 +32,14 @@ place, or its storage freed, before the refill. The weight and bias are copied a
 each), so FSDP2 / ZeRO-3 freeing the gathered parameters after the forward does not matter.
 What cannot be detected: code that reads y outside autograd after the parent returned and before its
 backward (a forward hook of an outer module that reads it, a cache attribute, a custom autograd Function
-that keeps y on ctx by reference and reads it in a backward that does not come after the parent's outputs):
-the storage is empty then and the read is invalid memory. Such models keep keep_output=True.
+that keeps y on ctx by reference and reads it in a backward that does not come after the parent's outputs),
+or a backward that enters the parent's graph other than through its outputs (a loss on tensors the parent
+stored aside, such as a KV cache): the storage is empty then and the read is invalid memory. Such models
+keep keep_output=True.
+
+Timing: a parent's released outputs all come back when its backward starts (a decoder layer's two norm
+outputs at the start of that layer's backward), not each right before its own first consumer; the peak
+saving is therefore the released outputs of every layer but the one in backward.
 
 Under torch.compile the mechanism is off (the hooks return at once while Dynamo traces) and AOTAutograd's
 partitioner decides what the backward keeps; see `COMPILED_BEHAVIOUR`.
