@@ -350,8 +350,9 @@ def test_setting_enables_the_passes_at_the_first_trace(torch_backend, monkeypatc
 def test_fx_graph_cache_hit_in_a_fresh_process(tmp_path):
     """Two fresh processes compile the same block with shardnorm's passes (after a user's own pass) into one
     Inductor cache dir: the second takes every graph from the FX graph cache (so the passes do not run there),
-    neither logs a pickling failure, and both pickle the pass slots to the same bytes (torch 2.11 hashes them into
-    the cache key; a pass of a local class cannot be pickled at all, and Inductor then bypasses its cache)."""
+    neither logs a pickling failure, and both pickle the pass slots to the same bytes (torch 2.11 pickles the
+    pre-grad slot into the cache key; a pass of a local class cannot be pickled, and Inductor 2.11 then bypasses
+    its cache: on 2.13, which keys on uuid() alone, that shows only in the pickling check)."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
                PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))

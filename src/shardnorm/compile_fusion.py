@@ -61,9 +61,10 @@ class FusionPass(_GraphPass):
     """Shardnorm's pass `name` at its Inductor slot, run after `previous`: what the slot held when it was enabled
     (None, one pass, or a list of passes), kept and run first.
 
-    Pickles as (name, previous): Inductor pickles the slots' values into its cache key (torch 2.11 pickles the whole
-    config), so the same passes give the same key in every process. A pass of a local class could not be pickled
-    at all: Inductor then logs "Failed to pickle cache key" and compiles every graph anew."""
+    Pickles as (name, previous), the same bytes in every process: torch 2.11 pickles the pre-grad slot with the rest
+    of Inductor's config into the FX graph cache key (2.13 leaves the slots out and keys on `uuid()` alone). A pass
+    of a local class cannot be pickled: Inductor 2.11 then logs "Failed to pickle cache key" and bypasses the
+    cache, compiling every graph anew."""
 
     def __init__(self, name: str, previous=None):
         if name not in PASSES:
