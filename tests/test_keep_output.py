@@ -567,3 +567,29 @@ def test_deepspeed_zero3_bitwise():
     from spawn_ranks import spawn
 
     spawn(_zero3_steps, 2, 5)
+
+
+def test_exception_in_parent_and_no_parent():
+    """A parent whose forward raises releases nothing and leaves the module-call stack as it was; a norm called
+    outside any module keeps its output (nothing says when its consumers are done)."""
+
+    class Raises(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = shardnorm.RMSNorm(H, keep_output=False), torch.nn.Linear(H, H)
+
+        def forward(self, x):
+            self.y = self.norm(x)
+            self.lin(self.y)
+            raise ValueError("boom")
+
+    parent = Raises()
+    with pytest.raises(ValueError, match="boom"):
+        parent(torch.randn(3, H, requires_grad=True))
+    assert parent.y.untyped_storage().nbytes() > 0
+    assert output_recompute._stack() == []
+    x = torch.randn(3, H, requires_grad=True)
+    y = parent.norm(x)  # no parent
+    out = torch.nn.functional.linear(y, parent.lin.weight)
+    assert y.untyped_storage().nbytes() > 0
+    out.sum().backward()

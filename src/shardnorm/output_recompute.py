@@ -69,7 +69,7 @@ class KeepOutputError(RuntimeError):
 
 _discarding: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _handles: list = []
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a module's finalizer may run (garbage collection) while it is held
 
 
 def set_keep_output(module: torch.nn.Module, keep: bool) -> None:
@@ -79,7 +79,7 @@ def set_keep_output(module: torch.nn.Module, keep: bool) -> None:
     with _lock:
         if keep:
             _discarding.discard(module)
-        else:
+        elif module not in _discarding:
             _discarding.add(module)
             weakref.finalize(module, _uninstall_if_unused)
         _install() if len(_discarding) else _uninstall()
@@ -139,12 +139,14 @@ def _leave(module, args, *kwargs_and_output):
     if torch.compiler.is_compiling():
         return
     stack = _stack()
-    frame = None
-    while stack:  # a module whose pre-hook ran but whose forward hooks did not (an exception in a hook) pops too
-        frame = stack.pop()
-        if frame.module is module:
+    for i in range(len(stack) - 1, -1, -1):  # the top, unless a module's forward hooks did not run (an exception)
+        if stack[i].module is module:
+            frame = stack[i]
+            del stack[i:]
             break
-    if frame is None or frame.module is not module or not frame.pending:
+    else:  # entered before the hooks were installed
+        return
+    if not frame.pending:
         return
     if len(kwargs_and_output) == 2:
         kwargs, output = kwargs_and_output
