@@ -36,6 +36,23 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture
+def triton_backend():
+    """The Triton kernels whatever the tensors' device (interpreted on CPU): SHARDNORM_BACKEND=triton with the
+    settings read again (a bare setenv is not seen: shardnorm reads its settings once); yields the device."""
+    from shardnorm import settings
+
+    before = os.environ.get("SHARDNORM_BACKEND")
+    os.environ["SHARDNORM_BACKEND"] = "triton"
+    assert settings.reload().backend == "triton"
+    yield backend_device("triton")
+    if before is None:
+        del os.environ["SHARDNORM_BACKEND"]
+    else:
+        os.environ["SHARDNORM_BACKEND"] = before
+    settings.reload()
+
+
+@pytest.fixture
 def device(backend):
     return backend_device(backend)
 

@@ -82,8 +82,8 @@ def _check(n, rms, dtype, weight_dtype, strided):
 
 
 @pytest.fixture(autouse=True)
-def triton_backend(monkeypatch):
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+def kernels(triton_backend):
+    """Every test here runs the Triton kernels (tests/conftest.py)."""
 
 
 @pytest.mark.parametrize("rms,dtype,weight_dtype,strided", CASES, ids=IDS)

@@ -222,11 +222,10 @@ def test_backward_is_bitwise_deterministic(backend, device, rms, n, rows):
                                   dict(dtype=torch.bfloat16, residual_dtype=torch.bfloat16, zero_centered=True),
                                   dict(dtype=torch.float16, bias=False)],
                          ids=["fp32", "bf16_weight", "residual_zero_centered", "fp16_no_bias"])
-def test_long_rows(monkeypatch, n, rms, case):
+def test_long_rows(triton_backend, n, rms, case):
     """Rows too long for one program: the chunked forward (40000) and the split backward (both), or on Hopper
     the staged kernels where the table and the call allow."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
-    device = backend_device("triton")
+    device = triton_backend
     kw = dict(case)
     param_size = kw.get("weight_dtype", torch.float32).itemsize
     fwd = config.fwd_config(n, param_size, not rms and kw.get("bias", True))
@@ -247,15 +246,14 @@ SMALL_GRAD_CASES = {
 @pytest.mark.parametrize("case", SMALL_GRAD_CASES)
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("n", [7, 1000, 4096, 4097, 5120])
-def test_small_backward_grads(monkeypatch, grads_path, case, rms, n):
+def test_small_backward_grads(triton_backend, grads_path, case, rms, n):
     """dgamma/dbeta at 8 x 4096 elements or fewer (the host-bound sizes of issue 22), both ways: one
     program storing them (`config.direct_grads`) and partial rows with the column sum; several row
     blocks per program where the tile allows."""
     kw = dict(SMALL_GRAD_CASES[case])
     if rms and not kw.get("weight", True):
         pytest.skip("RMSNorm has no bias")
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
-    device = backend_device("triton")
+    device = triton_backend
     rows = min(8, 8 * 4096 // n)
     has_bias = not rms and kw.get("bias", True)
     num_grads = kw.get("weight", True) + has_bias

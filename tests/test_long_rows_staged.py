@@ -109,10 +109,9 @@ def test_family_table_and_portable_switch(monkeypatch, portable):
 @needs_gpu
 @pytest.mark.parametrize("n,rms", [(14336, False), (16384, False), (32768, False), (65536, False), (20000, False),
                                    (32768, True), (65536, True), (40000, True)])
-def test_table_entries(monkeypatch, n, rms):
+def test_table_entries(triton_backend, n, rms):
     """As users get it: the measured rows (and rows that round up to them: 20000, 40000, a partial last
     slice) take the staged backward, against float64."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
     bwd_module._plan.cache_clear()
     assert isinstance(_plan(n, rms).cfg, S)
     run_case(backend_device("triton"), n, rms, torch.bfloat16, rows=301, weight_dtype=torch.bfloat16)
@@ -146,11 +145,10 @@ CASES = {"bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("rows", [1, 301])
-def test_matches_float64(monkeypatch, n, rms, case, rows):
+def test_matches_float64(triton_backend, n, rms, case, rows):
     """As users get it: fewer rows than programs (1) and several rows per program (301, no multiple of the SM
     count), partial last chunks (14336, 20000); N that is no multiple of 16 (9000, 16379) and the cases the
     plan hands on go through the split backward."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
     bwd_module._plan.cache_clear()
     kw = dict(CASES[case])
     run_case(backend_device("triton"), n, rms, kw.pop("dtype"), rows=rows, **kw)
@@ -188,11 +186,10 @@ SLICED_CASES = [(name, n, rows) for name in SLICED for n, rows in SLICED_SHAPES
 @pytest.mark.parametrize("name,n,rows", SLICED_CASES)
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("case", ["bf16_weight", "residual_zero_centered", "fp16_no_bias"])
-def test_sliced_rows_match_float64(monkeypatch, force, name, n, rows, rms, case):
+def test_sliced_rows_match_float64(triton_backend, force, name, n, rows, rms, case):
     """Rows split over 1-8 staged programs meeting through the exchange (one slice: whole rows in two or three
     slots, no exchange): a partial last slice (40000), fewer rows than groups (1), several rounds of the
     exchange ring (301, 77), rows published one ahead (three slots)."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
     force(SLICED[name])
     kw = dict(CASES[case])
     run_case(backend_device("triton"), n, rms, kw.pop("dtype"), rows=rows, **kw)
@@ -222,10 +219,9 @@ def test_sliced_deterministic_and_graph_replay(monkeypatch, force, rms, name):
 
 
 @pytest.mark.parametrize("n,rms", [(16384, False), (65536, False), (65536, True)])
-def test_zero_rows(monkeypatch, n, rms):
+def test_zero_rows(triton_backend, n, rms):
     """No rows: zero dgamma/dbeta and an empty dx, whichever long-row path the table picks (the staged kernels
     hand M = 0 to the plan without them: the three-slot one takes its first row's sums before its loop)."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
     bwd_module._plan.cache_clear()
     device = backend_device("triton")
     x = torch.randn(0, n, device=device, dtype=torch.bfloat16)
@@ -280,7 +276,7 @@ def test_forward_parameters_that_cannot_be_staged():
 
 @needs_gpu
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-def test_forward_with_unstageable_parameters(monkeypatch, rms):
+def test_forward_with_unstageable_parameters(triton_backend, rms):
     """A weight 2 bytes off 16-byte alignment, or a bias wider than the weight: the chunked forward, the same
     result as the staged one to a rounding step."""
     fwd_module._plan.cache_clear()
@@ -307,10 +303,9 @@ def test_forward_never_staged_on_cpu():
 @pytest.mark.parametrize("n,rows", [(32768 + 16, 1), (40000, 301), (65536, 301), (65536 + 8, 3)])
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("case", FWD_CASES)
-def test_forward_matches_float64(monkeypatch, n, rms, case, rows):
+def test_forward_matches_float64(triton_backend, n, rms, case, rows):
     """Rows above 32768 columns (N % 16 == 0 staged, 65544 not), fewer rows than programs and several
     rows per program; outputs and grads against float64."""
-    monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
     fwd_module._plan.cache_clear()
     kw = dict(FWD_CASES[case])
     cuda = torch.device("cuda")
