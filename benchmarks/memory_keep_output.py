@@ -11,6 +11,7 @@ variant, then step i + 1), >= 30 per variant, medians reported:
   (every variant's weights), plus this variant's own weights and grads: the step's own peak.
 - after_forward_mib: memory_allocated after the forward minus before it: what the forward keeps for backward.
 - step_ms: CUDA events around forward + backward.
+- released_mib / recomputed: what `shardnorm.output_recompute` released and recomputed in the step (its counters).
 
 Expected saving from keep_output=False: 2 norms a layer x tokens x hidden x 2 bytes (128 MiB a layer at the
 defaults) in after_forward_mib; the peak drops by less where it falls in a layer's backward (that layer's norm
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 import shardnorm
+from shardnorm import output_recompute
 
 MIB = 2 ** 20
 
@@ -179,10 +181,15 @@ def run(args) -> dict:
         for _ in range(args.steps):
             for name, (step, params) in steps.items():
                 if name not in errors:
-                    samples[name].append(timed(step, params, device))
+                    output_recompute.counters(reset=True)
+                    sample = timed(step, params, device)
+                    counts = output_recompute.counters()
+                    sample["released_mib"] = counts["released_bytes"] / MIB
+                    sample["recomputed"] = counts["recomputed"]
+                    samples[name].append(sample)
         for name in steps:
             row = dict(mode=mode, variant=name, steps=len(samples[name]), error=errors.get(name))
-            for key in ("ms", "peak_mib", "after_forward_mib"):
+            for key in ("ms", "peak_mib", "after_forward_mib", "released_mib", "recomputed"):
                 values = [s[key] for s in samples[name]]
                 row[key] = statistics.median(values) if values else None
                 row[f"{key}_all"] = values
@@ -202,18 +209,19 @@ def markdown(result: dict) -> str:
              f"Expected saving {result['expected_saving_mib']:.1f} MiB. First step's loss and grads, shardnorm_discard "
              f"vs shardnorm: bitwise equal {result['bitwise_equal']} (shardnorm vs itself: "
              f"{result['deterministic']}).", "",
-             "| mode | variant | step ms | peak MiB | kept after forward MiB | vs shardnorm: peak / after forward MiB |",
-             "|---|---|---|---|---|---|"]
+             "| mode | variant | step ms | peak MiB | kept after forward MiB | vs shardnorm: peak / after forward MiB | "
+             "released MiB / recomputed per step |",
+             "|---|---|---|---|---|---|---|"]
     by = {(r["mode"], r["variant"]): r for r in result["rows"]}
     for r in result["rows"]:
         if r["error"]:
-            lines.append(f"| {r['mode']} | {r['variant']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['mode']} | {r['variant']} | failed: {r['error']} | | | | |")
             continue
         ref = by.get((r["mode"], "shardnorm"))
         delta = f"{r['peak_mib'] - ref['peak_mib']:+.0f} / {r['after_forward_mib'] - ref['after_forward_mib']:+.0f}" \
             if ref and not ref["error"] and r["peak_mib"] == r["peak_mib"] else ""
         lines.append(f"| {r['mode']} | {r['variant']} | {r['ms']:.1f} | {r['peak_mib']:.0f} | "
-                     f"{r['after_forward_mib']:.0f} | {delta} |")
+                     f"{r['after_forward_mib']:.0f} | {delta} | {r['released_mib']:.2f} / {r['recomputed']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

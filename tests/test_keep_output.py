@@ -136,8 +136,12 @@ def test_grads_bitwise_and_storage_released(backend, rms, residual_form):
     dtype = torch.bfloat16 if residual_form else torch.float32
     kw = dict(rms=rms, residual_form=residual_form, zero_centered=not rms, dtype=dtype)
     off = _run(True, 11, **kw)
+    output_recompute.counters(reset=True)
     on = _run(False, 11, watch=lambda outs: released.append(_released_count(outs)), **kw)
+    counts = output_recompute.counters()
     _assert_bitwise(off, on)
+    y_bytes = 3 * 5 * H * (2 if dtype == torch.bfloat16 else 4)
+    assert counts == {"released": 7, "released_bytes": 7 * y_bytes, "recomputed": 7}
     # 3 blocks x 2 norms released; the final norm's output is the Stack's input to head, not a block's: the
     # Stack is its parent and returns head(y), so it is released too
     assert released == [7]

@@ -107,6 +107,17 @@ def hooks_installed() -> bool:
     return bool(_handles)
 
 
+_counts = {"released": 0, "released_bytes": 0, "recomputed": 0}
+
+
+def counters(reset: bool = False) -> dict:
+    """How many outputs were released (and their bytes) and recomputed since the last reset, in this process."""
+    out = dict(_counts)
+    if reset:
+        _counts.update(dict.fromkeys(_counts, 0))
+    return out
+
+
 # ---- the module-call stack ------------------------------------------------------------------------------------
 
 class _Frame:
@@ -193,6 +204,8 @@ class _Output:
         self.nbytes = storage.nbytes()
         storage.resize_(0)
         self.released = True
+        _counts["released"] += 1
+        _counts["released_bytes"] += self.nbytes
 
     def refill(self) -> None:
         storage = self.storage()
@@ -214,6 +227,7 @@ class _Output:
                                                                          (self.n, 1))
         ops.norm_forward_into(into, ops.as_rows(src, self.n), _flat(self.weight, self.n), _flat(self.bias, self.n),
                               self.eps, self.rms, self.zero_centered)
+        _counts["recomputed"] += 1
 
 
 def _flat(p: Optional[Tensor], n: int) -> Optional[Tensor]:
