@@ -197,7 +197,9 @@ def run(args) -> dict:
         del steps
         torch._dynamo.reset()
     expected = 2 * args.layers * args.batch * args.seq * args.hidden * (4 if args.tiny else 2) / MIB
+    notes = [] if "liger" in variants or args.no_liger else ["liger: liger_kernel does not import, left out"]
     return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                notes=notes,
                 config=vars(args), deterministic=deterministic, bitwise_equal=bitwise, expected_saving_mib=expected,
                 rows=rows)
 
@@ -222,7 +224,7 @@ def markdown(result: dict) -> str:
             if ref and not ref["error"] and r["peak_mib"] == r["peak_mib"] else ""
         lines.append(f"| {r['mode']} | {r['variant']} | {r['ms']:.1f} | {r['peak_mib']:.0f} | "
                      f"{r['after_forward_mib']:.0f} | {delta} | {r['released_mib']:.2f} / {r['recomputed']:.0f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + result["notes"]) + "\n"
 
 
 def plot(result: dict, path: Path) -> bool:
