@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardnorm
-from conftest import backend_device, reference_norm, rel_err
+from conftest import reference_norm, rel_err
 from shardnorm.kernels import config
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
