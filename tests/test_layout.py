@@ -13,7 +13,7 @@ LAYERS = [
     ("shardnorm.kernels", 1), ("shardnorm.reference", 1),
     ("shardnorm.ops", 2), ("shardnorm.compile_fusion", 2), ("shardnorm.output_recompute", 2),
     ("shardnorm.functional", 3), ("shardnorm.modules", 3), ("shardnorm.conversion", 3),
-    ("shardnorm.norm_families", 3),
+    ("shardnorm.norm_families", 3), ("shardnorm.output_recompute", 3),
     ("shardnorm.distributed", 4), ("shardnorm.fsdp", 4),
     # adapters are clients of the public API: they may import the package root, which never imports them
     ("shardnorm.integrations", 6),

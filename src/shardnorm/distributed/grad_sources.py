@@ -31,7 +31,7 @@ class GradSource:
         self.reducer = reducer
 
     def bind(self, params) -> None:
-        """`attach_reducer` / `reducer_of` offer the model's parameters (again after re-parallelizing)."""
+        """`attach_reducer` offers the model's parameters (call it again after re-parallelizing)."""
 
     def begin_backward(self) -> None:
         """The first grad of a backward reached the reducer."""

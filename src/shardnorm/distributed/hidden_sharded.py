@@ -46,13 +46,14 @@ def _row_moments(xf: torch.Tensor, group):
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     shifts, es, m2s, counts = torch.stack(parts).unbind(-1)  # [ranks, M] each
-    ref = int((counts[:, 0] > 0).nonzero()[0])  # the first rank with columns: the same on every rank
+    # the first rank with columns, the same on every rank (an index tensor: no device-to-host sync)
+    ref_shift = shifts.index_select(0, (counts[:, :1] > 0).int().argmax(0))  # [1, M]
     # means relative to the reference rank's shift: small differences of nearby fp32 values, exact
-    means = (shifts - shifts[ref]) + es
+    means = (shifts - ref_shift) + es
     total = counts.sum(0)
     mean = (counts * means).sum(0) / total
     m2_total = (m2s + counts * (means - mean).square()).sum(0)
-    offset = (mean - (shift[:, 0] - shifts[ref])).unsqueeze(-1)  # the row mean minus this rank's shift
+    offset = (mean - (shift[:, 0] - ref_shift[0])).unsqueeze(-1)  # the row mean minus this rank's shift
     return shift, offset, (m2_total / total).unsqueeze(-1)
 
 

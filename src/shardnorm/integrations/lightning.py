@@ -62,11 +62,11 @@ class ShardnormBackwardSyncControl(_ParallelBackwardSyncControl):
     """Fabric's FSDP2 no-sync control plus `shardnorm.accumulate` (tp reduction of the norm grads)."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool):
-        return _no_sync(super().no_backward_sync(module, enabled), module, enabled)
+        return _with_accumulate(super().no_backward_sync(module, enabled), module, enabled)
 
 
 @contextmanager
-def _no_sync(fabric_context, module: nn.Module, enabled: bool):
+def _with_accumulate(fabric_context, module: nn.Module, enabled: bool):
     with ExitStack() as stack:
         stack.enter_context(fabric_context)
         if enabled:
