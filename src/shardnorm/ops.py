@@ -8,8 +8,8 @@ Two entry points share one forward, one saved state and one backward:
 
 Why not the custom op everywhere: its dispatch costs ~50 us of host time more per eager call than
 `Function.apply` on CI's CPU (`python benchmarks/host_time.py`: rows `shardnorm_custom_op` against
-`shardnorm_functional`), as long as the whole kernel at small shapes. Tensor subclasses other than a collective's pending result take the custom op, whose dispatch unwraps them;
-so do calls under a TorchDispatchMode, which then sees the norm as one op (`shardnorm.norm_fwd`) rather than the
+`shardnorm_functional`), as long as the whole kernel at small shapes. Tensor subclasses other than a collective's
+pending result take the custom op, whose dispatch unwraps them; so do calls under a TorchDispatchMode, which then sees the norm as one op (`shardnorm.norm_fwd`) rather than the
 kernels' output allocations: selective activation checkpointing's policy can save or recompute it as a whole.
 
 `norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
