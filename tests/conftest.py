@@ -24,6 +24,16 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _settings_reread_after_each_test():
+    """shardnorm reads its settings once per process: a test that changed a SHARDNORM_* variable (and had it undone)
+    must not leave its value behind for the next test."""
+    yield
+    from shardnorm import settings
+
+    settings.reload()
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     from shardnorm import settings

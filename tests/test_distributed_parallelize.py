@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardnorm
+from shardnorm import settings
 from shardnorm.distributed import SequenceParallelNorm, attach_reducer
 
 pytestmark = pytest.mark.distributed
@@ -60,6 +61,7 @@ PLAN = {
 def _train(rank, world_size, seed, backend):
     if DEVICE == "cpu":  # on GPUs the kernels are the default, and the CPU reference uses torch
         os.environ["SHARDNORM_BACKEND"] = backend
+        settings.reload()
     mesh = init_device_mesh(DEVICE, (world_size,))
     torch.manual_seed(seed)
     ref = Stack()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import shardnorm
+from shardnorm import settings
 from conftest import rel_err
 from hf_tiny import ARCHITECTURES, HIDDEN, batch, tiny_model
 from shardnorm.conversion import NormWrapperError, convert_module, wrappers_of
@@ -43,6 +44,7 @@ def _loss_and_grads(model, inputs):
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 def test_convert_is_exact_on_hf_architecture(model_type, tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    settings.reload()  # read once per process
     model = tiny_model(model_type, seed=len(model_type))
     reference = copy.deepcopy(model)
     params = dict(model.named_parameters())
@@ -86,6 +88,7 @@ def test_convert_is_exact_on_hf_architecture(model_type, tmp_path, monkeypatch):
 def test_convert_through_interpreted_triton(monkeypatch):
     """Gemma (scale 1 + weight) with the Triton kernels, interpreted on CPU."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")
+    settings.reload()  # read once per process
     model = tiny_model("gemma", seed=3)
     reference = copy.deepcopy(model)
     model, count = shardnorm.convert(model)
@@ -140,6 +143,7 @@ def table_classes():
 def test_every_table_class_matches_its_own_forward(table_classes, monkeypatch):
     """fp32, hidden 64 and 40: output, input grad and weight/bias grads of each class vs. the converted module."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    settings.reload()  # read once per process
     failures = []
     for name, cls in table_classes:
         hf = _instance(cls)
@@ -168,6 +172,7 @@ def test_bf16_within_bf16_rounding_of_hf(model_type, monkeypatch):
     scales in fp32 and rounds once. Its output is within bf16 rounding of the HF module's, and at least as
     close to the float64 result."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    settings.reload()  # read once per process
     model = tiny_model(model_type, seed=5)
     hf = next(m for m in model.modules() if lookup(m) is not None)
     hf = copy.deepcopy(hf).to(torch.bfloat16)
