@@ -1,4 +1,4 @@
-"""Save the main job at optimizer-step boundaries and resume it exactly (parallel/README.md).
+"""Save the main job at optimizer-step boundaries and resume it exactly (docs/training.md, "Checkpoint and resume").
 
 A checkpoint holds what the next step depends on: the model and optimizer (the engine's own format:
 torch.distributed.checkpoint shards for FSDP2 × TP, DeepSpeed's checkpoint for DeepSpeed), the LR

@@ -247,8 +247,8 @@ SMALL_GRAD_CASES = {
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("n", [7, 1000, 4096, 4097, 5120])
 def test_small_backward_grads(triton_backend, grads_path, case, rms, n):
-    """dgamma/dbeta at 8 x 4096 elements or fewer (the host-bound sizes of issue 22), both ways: one
-    program storing them (`config.direct_grads`) and partial rows with the column sum; several row
+    """dgamma/dbeta at 8 x 4096 elements or fewer (sizes where a call is bound by host time), both ways:
+    one program storing them (`config.direct_grads`) and partial rows with the column sum; several row
     blocks per program where the tile allows."""
     kw = dict(SMALL_GRAD_CASES[case])
     if rms and not kw.get("weight", True):

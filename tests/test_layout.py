@@ -1,4 +1,4 @@
-"""The layout ARCHITECTURE.md promises: imports run one way, private torch APIs only in _torch_compat.py,
+"""The layout docs/architecture.md promises: imports run one way, private torch APIs only in _torch_compat.py,
 one module behind each public name."""
 
 import ast
@@ -19,7 +19,7 @@ LAYERS = [
     ("shardnorm.integrations", 6),
     ("shardnorm", 6),
 ]
-# (importer, imported): the explicit exceptions ARCHITECTURE.md names
+# (importer, imported): the explicit exceptions docs/architecture.md names
 ALLOWED_UPWARD = {("shardnorm.functional", "shardnorm.distributed.dtensor")}
 
 TORCH_INTERNALS = {"_current_graph_task_id", "_execution_engine", "_get_fsdp_state", "_fsdp_param_groups",

@@ -25,11 +25,13 @@ you do not edit). They go into Inductor's config (`pre_grad_custom_pass`,
 after any pass of your own already there, which is kept and runs first; `disable()` puts back what was there.
 
 Off by default because they change a global compiler setting and their measured end-to-end gain is within run-to-run
-noise. On an H100 (torch 2.11; compiled Hugging Face Llama, Qwen3 and Gemma training steps, benchmarks/NOTES.md v12,
-v13 and v16b) they cut the GPU time outside the GEMMs of a Llama step from 9.88 to 9.03 ms (native compile: 9.11 ms),
+noise. On an H100 (torch 2.11; compiled Hugging Face Llama, Qwen3 and Gemma training steps) they cut the GPU time
+outside the GEMMs of a Llama step from 9.88 to 9.03 ms (native compile: 9.11 ms; `benchmarks/profile_hf_step.py`),
 but the whole ~104 ms step moved by -1.9 to +1.3 ms with them across interleaved runs (mean +0.1 ms), and the paired
-per-run effect was significant in both directions (-0.61 to +1.00 ms). One run of the main job compiled on one GPU
-(not interleaved, benchmarks/gpu-runs.md Session 11): 191.8 ms per step without them, 186.2 ms with them.
+per-run effect was significant in both directions (-0.61 to +1.00 ms; `benchmarks/bench_hf_models.py`, then
+`benchmarks/paired_steps.py`). The main job compiled on one H100 (`launch/train.sh configs/llama_small_fsdp_tp.toml
+parallel.tp=1 train.steps=30 --compile`, one run each, not interleaved): 191.8 ms per step without them, 186.2 ms
+with them. docs/performance.md has the tables.
 
 The passes are module-level `CustomGraphPass` objects with a stable `uuid()` (this file's contents): Inductor's FX
 graph cache keys on it, and a compile in a fresh process hits the cache entries an earlier process wrote (with a

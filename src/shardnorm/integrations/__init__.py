@@ -4,5 +4,5 @@ Each adapter only translates: it imports its framework (optional; a missing one 
 to install), converts norms with `shardnorm.convert`, and hands norm grads to the one
 `shardnorm.distributed.NormGradReducer` (`attach_reducer(model, source=...)`, then `shardnorm.accumulate` /
 `finalize_grads`). No copies of conversion or reducer logic live here. DeepSpeed's adapter is
-`deepspeed.py` (`initialize`, `apply`) with its `deepspeed_*.py` parts. See ARCHITECTURE.md.
+`deepspeed.py` (`initialize`, `apply`) with its `deepspeed_*.py` parts. See docs/architecture.md.
 """
