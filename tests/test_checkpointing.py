@@ -112,10 +112,10 @@ def _grads(fn, block, x, g_y, g_r):
     return torch.autograd.grad(loss, [x, *block.parameters()])
 
 
-def _inputs(seed: int):
+def _inputs(seed: int, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 5, N, generator=gen).requires_grad_()
-    return x, torch.randn(2, 5, N, generator=gen), torch.randn(2, 5, N, generator=gen)
+    x, g_y, g_r = (torch.randn(2, 5, N, generator=gen).to(device) for _ in range(3))
+    return x.requires_grad_(), g_y, g_r
 
 
 POLICIES = {
@@ -127,12 +127,12 @@ POLICIES = {
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_selective_checkpointing_grads_equal_no_checkpointing(backend, policy, compiled, dynamo_lru_cache_restored):
+def test_selective_checkpointing_grads_equal_no_checkpointing(device, policy, compiled, dynamo_lru_cache_restored):
     """Grads of x and every parameter under SAC equal the uncheckpointed block's: bitwise eager (the recomputed
     norm is the same kernel on the same input), to 1e-5 compiled; both match float64 to 1e-5."""
     torch.manual_seed(1)
-    block = PreNormBlock(N)
-    x, g_y, g_r = _inputs(seed=2)
+    block = PreNormBlock(N).to(device)
+    x, g_y, g_r = _inputs(seed=2, device=device)
     want = _grads(block, block, x, g_y, g_r)
     x64 = x.detach().double().requires_grad_()
     (y64, r64), double = block.reference(x64)
@@ -164,7 +164,7 @@ def test_selective_checkpointing_grads_equal_no_checkpointing(backend, policy, c
 
 @pytest.mark.parametrize("norm_policy, runs", [(CheckpointPolicy.PREFER_RECOMPUTE, 2),
                                                (CheckpointPolicy.MUST_SAVE, 1)], ids=["recompute", "save"])
-def test_eager_policy_decides_for_the_norm(backend, monkeypatch, norm_policy, runs):
+def test_eager_policy_decides_for_the_norm(device, monkeypatch, norm_policy, runs):
     """Eager, the policy's word on `shardnorm.norm_fwd` is what happens: recomputed, the norm's forward runs again in
     the backward; saved, it runs once. The policy never sees the kernels' output allocations (aten.empty*)."""
     calls = []
@@ -176,8 +176,8 @@ def test_eager_policy_decides_for_the_norm(backend, monkeypatch, norm_policy, ru
 
     monkeypatch.setattr(ops, "_forward", counted_forward)
     torch.manual_seed(3)
-    block = PreNormBlock(N)
-    x, g_y, g_r = _inputs(seed=4)
+    block = PreNormBlock(N).to(device)
+    x, g_y, g_r = _inputs(seed=4, device=device)
     seen = []
     _grads(_checkpointed(block, norm_policy, CheckpointPolicy.MUST_SAVE, seen), block, x, g_y, g_r)
     assert len(calls) == runs * NORMS_PER_BLOCK

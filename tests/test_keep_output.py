@@ -94,17 +94,17 @@ def _as_torch_norms(model, eps: float) -> None:
             setattr(parent, name, ref)
 
 
-def _run(keep: bool, seed: int, steps: int = 1, dtype=torch.float32, watch=None, **kw):
+def _run(keep: bool, seed: int, steps: int = 1, dtype=torch.float32, watch=None, device="cpu", **kw):
     torch.manual_seed(seed)
     model = Stack(keep, **kw)
     _perturb(model, seed)
     if dtype == torch.float64:
         _as_torch_norms(model, eps=torch.finfo(torch.float32).eps)
-    model = model.to(dtype)
+    model = model.to(device=device, dtype=dtype)
     outputs = _outputs_of(model)
     losses = []
     for step in range(steps):  # gradient accumulation: grads summed over the steps
-        x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(seed + step)).to(dtype)
+        x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(seed + step)).to(device=device, dtype=dtype)
         x.requires_grad_(True)
         outputs.clear()
         loss = model(x).float().square().mean()
@@ -131,10 +131,10 @@ def _released_count(outputs) -> int:
 
 @pytest.mark.parametrize("rms", [True, False])
 @pytest.mark.parametrize("residual_form", [False, True])
-def test_grads_bitwise_and_storage_released(backend, rms, residual_form):
+def test_grads_bitwise_and_storage_released(device, rms, residual_form):
     released = []
     dtype = torch.bfloat16 if residual_form else torch.float32
-    kw = dict(rms=rms, residual_form=residual_form, zero_centered=not rms, dtype=dtype)
+    kw = dict(rms=rms, residual_form=residual_form, zero_centered=not rms, dtype=dtype, device=device)
     off = _run(True, 11, **kw)
     output_recompute.counters(reset=True)
     on = _run(False, 11, watch=lambda outs: released.append(_released_count(outs)), **kw)
@@ -148,12 +148,12 @@ def test_grads_bitwise_and_storage_released(backend, rms, residual_form):
     assert all(y.untyped_storage().nbytes() > 0 for y in on[2])  # refilled by the backward
 
 
-def test_gradient_accumulation_and_fp64_reference(backend):
+def test_gradient_accumulation_and_fp64_reference(device):
     """Accumulated over 3 micro-batches: bitwise equal to the option off; and both near the float64 model."""
-    off = _run(True, 5, steps=3, rms=True)
-    on = _run(False, 5, steps=3, rms=True)
+    off = _run(True, 5, steps=3, rms=True, device=device)
+    on = _run(False, 5, steps=3, rms=True, device=device)
     _assert_bitwise(off, on)
-    ref = _run(True, 5, steps=3, rms=True, dtype=torch.float64)
+    ref = _run(True, 5, steps=3, rms=True, dtype=torch.float64, device=device)
     for u, v in zip(on[1], ref[1]):
         assert ((u.double() - v).norm() / v.norm()).item() < 1e-4
     assert ((on[1][0].double() - ref[1][0]).norm() / ref[1][0].norm()).item() > 0  # fp32 is not float64

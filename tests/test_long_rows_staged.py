@@ -78,7 +78,7 @@ def test_selection():
     assert config.bwd_config(32768, 1, 2, True, "staged") == config.STAGED_BWD[32768, 2, True]
     assert config.bwd_config(40000, 2, 2, False, "staged").slice_n == 16384
     split = config.BWD_SPLIT
-    assert config.bwd_config(32768, 2, 4, False, "staged") == split  # fp32 weight: not measured staged
+    assert config.bwd_config(32768, 2, 4, False, "staged") == config.STAGED_BWD[32768, 4, False]  # fp32 weight
     assert config.bwd_config(32768, 2, 2, False, "") == split  # portable
     assert config.bwd_config(20000, 0, 2, False, "staged") == split  # no parameter grads: nothing to write
     assert config.bwd_config(16384 - 8, 2, 2, False, "staged") == split  # N not a multiple of 16

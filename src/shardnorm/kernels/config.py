@@ -231,12 +231,16 @@ STAGED_FWD = StagedConfig(num_warps=32)
 # - 16384-column slices in three slots, the next row's sums published before this row's are awaited, tagged
 #   words for the exchange: LayerNorm 32768 87-88%, 65536 85%, RMSNorm 32768 92-93%, 65536 92-93%.
 # `python benchmarks/gpu_longrow.py --out longrow` (split and staged candidates at these shapes, checked
-# against float64). fp32 weights were not measured with it: they take the split backward.
+# against float64).
+# fp32 weights take the same configs: H200, bf16 x and dy, benchmark GB/s of the backward, staged against split
+# (`bench_kernels.py --providers shardnorm --weights float32 --shapes longrow`, then with these entries removed):
+# LayerNorm 14336 2972 vs 1960, 16384 3419 vs 2280, 32768 2788 vs 2330, 65536 2664 vs 2236; RMSNorm 32768 2799
+# vs 2513, 65536 2848 vs 2473 (copy 4247 GB/s; every provider checked against float64 in the run).
 _STAGED_TWO_SLOTS = StagedConfig(num_warps=16, slice_n=16384)
 _STAGED_SLICES = StagedConfig(num_warps=16, slice_n=16384, slots=3)
-STAGED_BWD = {(16384, 2, False): _STAGED_TWO_SLOTS, (32768, 2, False): _STAGED_SLICES,
-              (65536, 2, False): _STAGED_SLICES, (32768, 2, True): _STAGED_SLICES,
-              (65536, 2, True): _STAGED_SLICES}
+STAGED_BWD = {(16384, weight_bytes, False): _STAGED_TWO_SLOTS for weight_bytes in (2, 4)} | {
+    (block_n, weight_bytes, rms): _STAGED_SLICES
+    for block_n in (32768, 65536) for weight_bytes in (2, 4) for rms in (False, True)}
 
 
 def specialized(device: torch.device) -> str:
