@@ -1,7 +1,7 @@
 """The staged long-row forward's variants on one GPU: warps per program, parameters held on chip.
 
 `staged_fwd_kernel` launched directly (as its plan would, one program per SM) at each num_warps and number of
-chunks whose parameters stay in shared memory, LayerNorm with and without its bias (NOTES.md also records
+chunks whose parameters stay in shared memory, LayerNorm with and without its bias (docs/performance.md also records
 LayerNorm's statistics in one and two passes and per warp, y as one multiply-add, maskless even rows, the next
 row's statistics taken in the y pass, one shared-memory allocation per chunk): y, mean and
 rstd checked against float64 on sampled rows, then timed with do_bench_cudagraph (GPU time) and do_bench (best of

@@ -23,7 +23,7 @@ it faster (`SPECIALIZED`: Hopper's staged Gluon kernels, which hold the row in s
 - num_warps grows with the tile so each thread holds a bounded number of elements.
 
 Numbers below are % of the device-to-device copy bandwidth on one H100 (torch 2.11, Triton 3.6, bf16 x
-and dy, M = 32768 unless stated), from `benchmarks/NOTES.md`. "GPU time" is the bare launcher replayed
+and dy, M = 32768 unless stated), from `docs/performance.md`. "GPU time" is the bare launcher replayed
 from a CUDA graph: `python benchmarks/sweep_tiles.py --out sweep.json --cases fwd-5120,bwd-5120 [--weights
 float32]` (default config first, then the candidates); "benchmark" is do_bench of the autograd call:
 `python benchmarks/bench_kernels.py --out bench.json --providers shardnorm`.

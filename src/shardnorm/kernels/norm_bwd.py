@@ -195,7 +195,7 @@ def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_ce
 class _BwdPlan:
     """A backward's launches for one N, weight dtype, variant and device: configs and launchers are
     chosen once, so a call does only what depends on the tensors (M, allocations, pointers). At small
-    sizes the host time of a call is most of the backward's time (benchmarks/NOTES.md).
+    sizes the host time of a call is most of the backward's time (docs/performance.md).
     kernels: `config.specialized(device)`; a staged plan hands the calls its copies cannot take
     (`_stageable`) to the portable plan of the same shape."""
 
