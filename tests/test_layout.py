@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardnorm"
 LAYERS = [
     ("shardnorm._torch_compat", 0), ("shardnorm.settings", 0),
     ("shardnorm.kernels", 1), ("shardnorm.reference", 1),
-    ("shardnorm.ops", 2), ("shardnorm.compile_fusion", 2), ("shardnorm.output_recompute", 2),
+    ("shardnorm.ops", 2), ("shardnorm.compile_fusion", 2),
     ("shardnorm.functional", 3), ("shardnorm.modules", 3), ("shardnorm.conversion", 3),
     ("shardnorm.norm_families", 3), ("shardnorm.output_recompute", 3),
     ("shardnorm.distributed", 4), ("shardnorm.fsdp", 4),

@@ -59,10 +59,16 @@ def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
 _DEFAULT_EPS = {dtype: torch.finfo(dtype).eps for dtype in SUPPORTED_DTYPES}
 
 
+def resolve_eps(eps: Optional[float], dtype: torch.dtype) -> float:
+    """eps as the op takes it: None is torch's default for rms_norm, finfo(dtype).eps (other dtypes: _check
+    raises)."""
+    return _DEFAULT_EPS.get(dtype, 0.0) if eps is None else float(eps)
+
+
 def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool, zero_centered: bool):
     shape = normalized_shape if type(normalized_shape) is tuple else \
         (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    eps = _DEFAULT_EPS.get(x.dtype, 0.0) if eps is None else float(eps)  # other dtypes: _check raises
+    eps = resolve_eps(eps, x.dtype)
     _check(x, residual, shape, weight, bias, eps)  # DTensors too: their shapes are the global ones
     if _is_dtensor(x):
         from .distributed.dtensor import norm_dtensor

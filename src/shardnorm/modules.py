@@ -45,9 +45,8 @@ class _FusedNorm:
         bias = params["bias"] if "bias" in params else None if self._rms else getattr(self, "bias", None)
         y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
         if not self._keep_output:
-            output_recompute.track(self, y, x if z is None else z, weight, bias,
-                                   F._DEFAULT_EPS.get(x.dtype, 0.0) if self.eps is None else self.eps, self._rms,
-                                   self.zero_centered_gamma, tuple(self.normalized_shape))
+            output_recompute.track(self, y, x if z is None else z, weight, bias, F.resolve_eps(self.eps, x.dtype),
+                                   self._rms, self.zero_centered_gamma, tuple(self.normalized_shape))
         return y if residual is None else (y, z)
 
     def reset_parameters(self) -> None:

@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _torch_compat, ops
+from . import _torch_compat, functional, ops
 
 COMPILED_BEHAVIOUR = (
     "Under torch.compile, keep_output=False changes nothing: the forward hooks return at once while Dynamo "
@@ -225,13 +225,9 @@ class _Output:
         # copies of y are checked against) as it is.
         into = torch.empty(0, dtype=self.dtype, device=src.device).set_(storage, self.offset, (self.rows, self.n),
                                                                          (self.n, 1))
-        ops.norm_forward_into(into, ops.as_rows(src, self.n), _flat(self.weight, self.n), _flat(self.bias, self.n),
-                              self.eps, self.rms, self.zero_centered)
+        ops.norm_forward_into(into, ops.as_rows(src, self.n), functional._flat(self.weight, self.n),
+                              functional._flat(self.bias, self.n), self.eps, self.rms, self.zero_centered)
         _counts["recomputed"] += 1
-
-
-def _flat(p: Optional[Tensor], n: int) -> Optional[Tensor]:
-    return p if p is None or p.dim() == 1 and p.stride(0) == 1 else p.reshape(n).contiguous()
 
 
 # ---- registration (the norm's forward) -------------------------------------------------------------------------
@@ -272,11 +268,8 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
     frame.pending.append(_Output(owner, base, src, weight, bias, float(eps), rms, zero_centered, n))
 
 
-_PLAIN = (Tensor, torch.nn.Parameter, type(None))
-
-
 def _plain(*tensors) -> bool:
-    return all(type(t) in _PLAIN for t in tensors)
+    return all(type(t) in ops._PLAIN for t in tensors)
 
 
 def _dtensor_locals(y, src, weight, bias, normalized_ndim: int) -> Optional[tuple]:
