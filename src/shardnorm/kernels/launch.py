@@ -11,11 +11,12 @@ JITFunction.run does after its own lookup. A key Triton has not seen goes throug
 cached kernel is never reused where Triton would have specialized differently. The interpreter
 (TRITON_INTERPRET=1) always takes the plain path.
 
-A cached launch passes tensors as their addresses (INT_POINTERS): given a tensor, Triton's C launcher
-calls its `data_ptr()` and then the driver (`cuPointerGetAttribute`) per pointer, which is also its only
-check that the memory is on a GPU. So every tensor must reach a Launcher on the launch device already:
-`functional._check` checks the forward's (weight, bias, residual against x), the autograd engine a
-backward's incoming grads (dy, dz against the forward's outputs), and the custom ops their arguments
+A cached launch passes the tensors themselves, as JITFunction.run does: Triton's C launcher calls each one's
+`data_ptr()` and asks the driver (`cuPointerGetAttribute`) whether the memory is on a GPU, so a host tensor
+raises instead of being read as device memory. Passing their addresses instead was no faster and gave up that
+check (H100, two interleaved runs of `python benchmarks/host_time.py --out OUT` each way: the tensors were 1.2 us
+quicker per forward and 16 us per forward+backward, medians over shardnorm's rows, i.e. within the host's noise). Tensors on another GPU are caught before: `functional._check` checks the forward's (weight, bias,
+residual against x), the autograd engine a backward's incoming grads, and the custom ops their arguments
 (`ops._check_devices`).
 """
 
@@ -26,12 +27,6 @@ from torch.nn import Parameter
 from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
-
-# Cached launches pass tensors as ints (data_ptr()): Triton's C launcher then skips a data_ptr() call and a
-# driver query per pointer. False passes the tensors, for an A/B of host time; on the H100 machine the two were
-# within that CPU's noise (docs/performance.md, -17 to +25 us per RMSNorm 8 x 4096 forward+backward either way;
-# `python benchmarks/host_time.py --out OUT` with this set to False and to True).
-INT_POINTERS = True
 
 
 def _spec(arg):
@@ -102,8 +97,6 @@ class Launcher:
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata(grid3, stream, *args), enter, leave, *args)
         else:  # building launch metadata nobody reads costs as much as the launch
-            if INT_POINTERS:
-                args = [a.data_ptr() if type(a) in _TENSORS else a for a in args]
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
                          *self.trailing)
 
