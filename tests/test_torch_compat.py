@@ -200,3 +200,35 @@ def test_inductor_graph_pass_slot_is_checked():
         compat.inductor_graph_pass("post_grad_custom_pre_pas")
     with pytest.raises(ValueError, match="slot must be one of"):
         compat.set_inductor_graph_pass("post_grad_custom_pre_pas", None)
+
+
+def test_function_apply_matches_apply_and_defers_to_it_under_functorch():
+    """function_apply(cls)(*args) is cls.apply(*args): same output, same grads, same graph node type; under a
+    functorch transform it is cls.apply itself (which refuses a Function without setup_context)."""
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, s: float):
+            ctx.s = s
+            return x * s
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy * ctx.s, None
+
+    apply = compat.function_apply(Scale)
+    x = torch.randn(5, requires_grad=True, dtype=torch.float64)
+    y = apply(x, 3.0)
+    assert type(y.grad_fn) is type(Scale.apply(x, 3.0).grad_fn)
+    y.square().sum().backward()
+    torch.testing.assert_close(x.grad, 18.0 * x.detach(), rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: apply(t, 2.0).sum())(x.detach())
+
+    class WithSetup(Scale):
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.s = inputs[1]
+
+    with pytest.raises(TypeError, match="setup_context"):
+        compat.function_apply(WithSetup)

@@ -25,6 +25,8 @@ Inductor: `torch._inductor.config.pre_grad_custom_pass` / `post_grad_custom_post
   `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes, set and removed there).
 Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then take the custom op,
   so a mode such as selective activation checkpointing's sees the norm as one op).
+autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls after its Python checks
+  (`function_apply`: the eager norm's host time).
 
 Framework-specific internals stay in their adapter (DeepSpeed's AutoTP partition specs and flag:
 `shardnorm/integrations/deepspeed_autotp.py`); Triton's launch internals in `shardnorm/kernels/launch.py`.
@@ -222,3 +224,21 @@ def dispatch_modes_active() -> bool:
     """Whether a TorchDispatchMode is active on this thread (selective activation checkpointing's caching mode,
     FlopCounterMode, FakeTensorMode, ...): such a mode sees only the ops dispatched under it."""
     return torch._C._len_torch_dispatch_stack() > 0
+
+
+# ---- autograd.Function ------------------------------------------------------------------------------------
+
+def function_apply(cls):
+    """`cls.apply` without `torch.autograd.Function.apply`'s Python wrapper, which, with no functorch transform
+    active and no `setup_context`, only unwraps dead functorch wrappers (tensors that escaped a transform) and
+    calls `torch._C._FunctionBase.apply`: 2-3 us of host time per eager norm call (docs/performance.md). Under a
+    functorch transform `cls.apply` runs as it is."""
+    if "setup_context" in vars(cls):
+        raise TypeError(f"{cls.__name__} defines setup_context: call {cls.__name__}.apply")
+    base = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*args):
+        return cls.apply(*args) if transforms_active() else base(*args)
+
+    return apply
