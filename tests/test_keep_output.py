@@ -278,20 +278,38 @@ def test_option_toggles_hooks_and_repr():
     assert list(state) == ["weight"]  # the option is not state
 
 
-def test_compiled_matches_eager():
-    """Under torch.compile the mechanism is off (Dynamo traces the hooks as no-ops): grads equal eager's."""
-    def run(keep, compiled):
-        torch.manual_seed(6)
-        model = Stack(keep, layers=1)
-        _perturb(model, 6)
-        fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
-        x = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(6), requires_grad=True)
-        fn(x).square().mean().backward()
-        return [x.grad] + [p.grad for p in model.parameters()]
+def _compiled_step(keep: bool, residual_form: bool, backend: str):
+    """One compiled forward + backward of a 1-layer Stack: (grads, bytes the compiled graph saved for backward)."""
+    torch.manual_seed(6)
+    model = Stack(keep, layers=1, residual_form=residual_form)
+    _perturb(model, 6)
+    fn = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        loss = fn(x).square().mean()
+    loss.backward()
+    return [x.grad] + [p.grad for p in model.parameters()], sum(saved)
 
+
+@pytest.mark.parametrize("residual_form", [False, True])
+def test_compiled_graph_recomputes_the_norm_outputs(residual_form):
+    """Under torch.compile the eager hooks are off; a norm with keep_output=False is traced inside a selective
+    checkpoint that recomputes its forward op, so the partitioner saves one [tokens, hidden] tensor fewer per norm
+    and the grads are the option off's. The residual form keeps its outputs (recomputing them would need x and the
+    residual): there only the norms called without one are recomputed (the first block's norm1, the final norm)."""
     torch._dynamo.reset()
-    for u, v in zip(run(True, False), run(False, True)):
-        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+    for backend in ("aot_eager_decomp_partition", "inductor"):
+        kept_grads, kept_bytes = _compiled_step(True, residual_form, backend)
+        grads, saved_bytes = _compiled_step(False, residual_form, backend)
+        for u, v in zip(kept_grads, grads):
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+        recomputed = 2 if residual_form else 3  # norm1 and the final norm; or norm1, norm2 and the final norm
+        norm_output = 2 * 5 * H * 4  # fp32 [10, H]
+        assert recomputed * norm_output <= kept_bytes - saved_bytes < (recomputed + 1) * norm_output, \
+            (backend, kept_bytes, saved_bytes)
+        torch._dynamo.reset()
 
 
 # ---- Hugging Face Llama ---------------------------------------------------------------------------------------

@@ -43,11 +43,16 @@ class _FusedNorm:
         params = self._parameters
         weight = params["weight"] if "weight" in params else self.weight
         bias = params["bias"] if "bias" in params else None if self._rms else getattr(self, "bias", None)
+        if not self._keep_output and residual is None and torch.compiler.is_compiling():
+            return output_recompute.compiled_norm(self._norm, x, weight, bias)
         y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
         if not self._keep_output:
             output_recompute.track(self, y, x if z is None else z, weight, bias, F.resolve_eps(self.eps, x.dtype),
                                    self._rms, self.zero_centered_gamma, tuple(self.normalized_shape))
         return y if residual is None else (y, z)
+
+    def _norm(self, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
+        return F._norm(x, None, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)[0]
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

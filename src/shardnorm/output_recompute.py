@@ -41,8 +41,9 @@ Timing: a parent's released outputs all come back when its backward starts (a de
 outputs at the start of that layer's backward), not each right before its own first consumer; the peak
 saving is therefore the released outputs of every layer but the one in backward.
 
-Under torch.compile the mechanism is off (the hooks return at once while Dynamo traces) and AOTAutograd's
-partitioner decides what the backward keeps; see `COMPILED_BEHAVIOUR`.
+Under torch.compile the hooks return at once while Dynamo traces; a norm with keep_output=False is traced inside a
+selective activation checkpoint that recomputes its forward op instead (`compiled_norm`), so AOTAutograd's
+partitioner gives the compiled graph the same saving (without a residual).
 """
 
 import math
@@ -55,10 +56,29 @@ from torch import Tensor
 
 from . import _torch_compat, functional, ops
 
-COMPILED_BEHAVIOUR = (
-    "Under torch.compile, keep_output=False changes nothing: the forward hooks return at once while Dynamo "
-    "traces, and the min-cut partitioner saves the custom op shardnorm::norm_fwd's output y for the matmuls' "
-    "backward (a custom op counts as not recomputable), as with keep_output=True.")
+def compiled_norm(norm, x: Tensor, *args):
+    """`norm(x, *args)` while Dynamo traces a norm with keep_output=False and no residual: inside a selective
+    activation checkpoint whose policy recomputes `shardnorm::norm_fwd`, so AOTAutograd's partitioner saves
+    the norm's input (which its own backward keeps anyway) rather than y for the consumers' backward, and the
+    backward graph runs the forward kernel again. The residual form is traced as it is: recomputing y there
+    would need x and the residual where the eager route refills from z, so the compiled graph keeps y."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(norm, x, *args, use_reentrant=False, context_fn=_recompute_norm_contexts)
+
+
+def _recompute_norm_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.shardnorm.norm_fwd.default:
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def _recompute_norm_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_recompute_norm_policy)
 
 
 class KeepOutputError(RuntimeError):
