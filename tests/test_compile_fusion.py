@@ -349,7 +349,7 @@ def test_setting_enables_the_passes_at_the_first_trace(torch_backend, monkeypatc
 
 def test_fx_graph_cache_hit_in_a_fresh_process(tmp_path):
     """Two fresh processes compile the same block with shardnorm's passes (after a user's own pass) into one
-    Inductor cache dir: the second takes every graph from the FX graph cache (so the passes do not run there),
+    Inductor cache dir: the second takes every graph from the FX graph cache (so the post-grad pass does not run there),
     neither logs a pickling failure, and both pickle the pass slots to the same bytes (torch 2.11 pickles the
     pre-grad slot into the cache key; a pass of a local class cannot be pickled, and Inductor 2.11 then bypasses
     its cache: on 2.13, which keys on uuid() alone, that shows only in the pickling check)."""
@@ -368,6 +368,8 @@ def test_fx_graph_cache_hit_in_a_fresh_process(tmp_path):
     assert first["fxgraph_cache_miss"] > 0 and first["fxgraph_cache_bypass"] == 0
     assert second["fxgraph_cache_hit"] > 0, second
     assert second["fxgraph_cache_miss"] == 0 and second["fxgraph_cache_bypass"] == 0, second
-    assert second["fused_adds"] == second["fused_grad_terms"] == 0  # the cached graphs were fused already
+    # The post-grad pass runs inside the cached compile, so not on a hit; the pre-grad pass runs on the Dynamo graph
+    # before Inductor's lookup (torch 2.11 runs it again; 2.13's AOTAutograd cache hit skips it), fusing the same add.
+    assert second["fused_grad_terms"] == 0 and second["fused_adds"] in (0, first["fused_adds"]), second
     assert first["slots_digest"] == second["slots_digest"]
     assert first["grads"] == second["grads"]  # the same compiled code
