@@ -1,4 +1,5 @@
-"""Before/after table of two bench_kernels.py runs of shardnorm (same harness, same GPU, same run).
+"""Before/after table of two bench_kernels.py (or kernel_gpu_time.py) runs of shardnorm (same harness, same GPU,
+same run).
 
     python benchmarks/compare_kernels.py BEFORE.json AFTER.json [AFTER_MORE.json ...] --md compare.md
 
@@ -15,7 +16,7 @@ def _rows(paths):
     for path in paths:
         with open(path) as f:
             for r in json.load(f)["rows"]:
-                if r["provider"] == "shardnorm":
+                if r.get("provider", "shardnorm") == "shardnorm":  # kernel_gpu_time.py rows are shardnorm's
                     rows[(r["norm"], r["M"], r["N"], r["weight_dtype"])] = r
     return rows
 
@@ -33,7 +34,7 @@ def main():
         if key not in before:
             continue
         b, a = before[key], after[key]
-        wrong = "" if b["correct"] and a["correct"] else " (wrong)"
+        wrong = "" if b.get("correct", True) and a.get("correct", True) else " (wrong)"
         lines.append(f"| {key[0]} | {key[1]} x {key[2]} | {key[3]} | {b['fwd_gbs']:.0f} -> {a['fwd_gbs']:.0f} | "
                      f"{a['fwd_gbs'] / b['fwd_gbs']:.3f} | {b['bwd_gbs']:.0f} -> {a['bwd_gbs']:.0f} | "
                      f"{a['bwd_gbs'] / b['bwd_gbs']:.3f}{wrong} |")

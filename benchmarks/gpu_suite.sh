@@ -65,8 +65,9 @@ for s in "$@"; do
       python3 benchmarks/bench_hf_models.py --modes eager --out "$OUT/hf_models" >"$OUT/models.log" 2>&1 || status=1
       tail -n 30 "$OUT/models.log" ;;
     train)
+      tp=$(python3 -c "import torch; print(min(2, torch.cuda.device_count()))")
       for keep in true false; do
-        PYTHON=python3 bash launch/train.sh configs/llama_small_fsdp_tp.toml "model.norm_keep_output=$keep" \
+        PYTHON=python3 bash launch/train.sh configs/llama_small_fsdp_tp.toml "model.norm_keep_output=$keep" "parallel.tp=$tp" \
           "train.out_dir=$OUT/train_keep_output_$keep" >"$OUT/train_keep_output_$keep.log" 2>&1 || status=1
         grep -h "summary" "$OUT/train_keep_output_$keep.log" | tail -n 1
       done ;;

@@ -10,7 +10,8 @@ variant, then step i + 1), >= 30 per variant, medians reported:
 - peak_mib: torch.cuda.max_memory_allocated in the step (reset before it) minus what was resident before it
   (every variant's weights), plus this variant's own weights and grads: the step's own peak.
 - after_forward_mib: memory_allocated after the forward minus before it: what the forward keeps for backward.
-- step_ms: CUDA events around forward + backward.
+- step_ms: CUDA events around forward + backward; step vs shardnorm: the median over steps of this variant's step
+  time over shardnorm's in the same round (paired, so drift of the shared machine cancels).
 - released_mib / recomputed: what `shardnorm.output_recompute` released and recomputed in the step (its counters).
 
 Expected saving from keep_output=False: 2 norms a layer x tokens x hidden x 2 bytes (128 MiB a layer at the
@@ -52,11 +53,12 @@ def build_config(args):
 
 
 def patch_liger(model):
-    """Liger's apply_liger_kernel_to_llama on this model, norms only; None if liger_kernel does not import."""
+    """Liger's apply_liger_kernel_to_llama on this model, norms only; the ImportError if liger_kernel does not
+    import."""
     try:
         import liger_kernel.transformers as lt
-    except ImportError:
-        return None
+    except ImportError as e:
+        return e
     fn = lt.apply_liger_kernel_to_llama
     params = inspect.signature(fn).parameters
     kwargs = {k: False for k, v in params.items() if isinstance(v.default, bool)}
@@ -92,10 +94,13 @@ def build_variants(args, device, dtype) -> dict:
         model.load_state_dict(state)
         liger = patch_liger(model)
         vars(modeling).update(saved)
-        if liger is not None:
+        if isinstance(liger, ImportError):
+            variants["liger_import_error"] = f"{type(liger).__name__}: {liger}"
+        else:
             variants["liger"] = liger
     for model in variants.values():
-        model.train()
+        if isinstance(model, torch.nn.Module):
+            model.train()
     return variants
 
 
@@ -159,6 +164,7 @@ def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     variants = build_variants(args, device, dtype)
+    liger_error = variants.pop("liger_import_error", None)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
     # the same step twice with the outputs kept (is the step deterministic at all: attention's backward may
@@ -187,8 +193,12 @@ def run(args) -> dict:
                     sample["released_mib"] = counts["released_bytes"] / MIB
                     sample["recomputed"] = counts["recomputed"]
                     samples[name].append(sample)
+        kept_ms = [s["ms"] for s in samples["shardnorm"]]
         for name in steps:
             row = dict(mode=mode, variant=name, steps=len(samples[name]), error=errors.get(name))
+            # step i of this variant over step i of shardnorm's (run next to each other): drift cancels
+            ratios = [s["ms"] / k for s, k in zip(samples[name], kept_ms)]
+            row["ms_vs_shardnorm"] = statistics.median(ratios) if ratios and len(ratios) == len(kept_ms) else None
             for key in ("ms", "peak_mib", "after_forward_mib", "released_mib", "recomputed"):
                 values = [s[key] for s in samples[name]]
                 row[key] = statistics.median(values) if values else None
@@ -197,7 +207,7 @@ def run(args) -> dict:
         del steps
         torch._dynamo.reset()
     expected = 2 * args.layers * args.batch * args.seq * args.hidden * (4 if args.tiny else 2) / MIB
-    notes = [] if "liger" in variants or args.no_liger else ["liger: liger_kernel does not import, left out"]
+    notes = [f"liger: left out, liger_kernel does not import ({liger_error})"] if liger_error else []
     return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 notes=notes,
                 config=vars(args), deterministic=deterministic, bitwise_equal=bitwise, expected_saving_mib=expected,
@@ -211,18 +221,19 @@ def markdown(result: dict) -> str:
              f"Expected saving {result['expected_saving_mib']:.1f} MiB. First step's loss and grads, shardnorm_discard "
              f"vs shardnorm: bitwise equal {result['bitwise_equal']} (shardnorm vs itself: "
              f"{result['deterministic']}).", "",
-             "| mode | variant | step ms | peak MiB | kept after forward MiB | vs shardnorm: peak / after forward MiB | "
+             "| mode | variant | step ms | step vs shardnorm | peak MiB | kept after forward MiB | vs shardnorm: peak / after forward MiB | "
              "released MiB / recomputed per step |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     by = {(r["mode"], r["variant"]): r for r in result["rows"]}
     for r in result["rows"]:
         if r["error"]:
-            lines.append(f"| {r['mode']} | {r['variant']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['mode']} | {r['variant']} | failed: {r['error']} | | | | | |")
             continue
         ref = by.get((r["mode"], "shardnorm"))
         delta = f"{r['peak_mib'] - ref['peak_mib']:+.0f} / {r['after_forward_mib'] - ref['after_forward_mib']:+.0f}" \
             if ref and not ref["error"] and r["peak_mib"] == r["peak_mib"] else ""
-        lines.append(f"| {r['mode']} | {r['variant']} | {r['ms']:.1f} | {r['peak_mib']:.0f} | "
+        ratio = f"{r['ms_vs_shardnorm'] - 1:+.2%}" if r.get("ms_vs_shardnorm") else ""
+        lines.append(f"| {r['mode']} | {r['variant']} | {r['ms']:.1f} | {ratio} | {r['peak_mib']:.0f} | "
                      f"{r['after_forward_mib']:.0f} | {delta} | {r['released_mib']:.2f} / {r['recomputed']:.0f} |")
     return "\n".join(lines + [""] + result["notes"]) + "\n"
 

@@ -26,7 +26,8 @@ import torch  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from bench_kernels import copy_bandwidth  # noqa: E402
-from shardnorm.kernels import config, norm_bwd, norm_fwd  # noqa: E402
+from kernel_gpu_time import call, inputs  # noqa: E402
+from shardnorm.kernels import config  # noqa: E402
 from shardnorm.kernels.config import SplitBwdConfig, TileConfig  # noqa: E402
 
 T = TileConfig
@@ -95,23 +96,6 @@ CASES = {f"{d}-{n}": (d, n) for d in ("fwd", "bwd")
 
 
 WEIGHT_DTYPE = torch.bfloat16  # --weights
-
-
-def inputs(n: int, rms: bool, m: int, weight_dtype: torch.dtype):
-    """bf16 x [m, n] and dy, weight (and bias) in weight_dtype, and the forward's statistics."""
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, device="cuda", dtype=weight_dtype)
-    b = None if rms else torch.randn(n, device="cuda", dtype=weight_dtype)
-    dy = torch.randn_like(x)
-    _, _, mean, rstd = norm_fwd(x, w, b, None, 1e-6, rms, False)
-    return x, w, b, dy, mean, rstd
-
-
-def call(direction, rms, t):
-    x, w, b, dy, mean, rstd = t
-    if direction == "fwd":
-        return lambda: norm_fwd(x, w, b, None, 1e-6, rms, False)
-    return lambda: norm_bwd(dy, None, x, w, mean, rstd, b is not None, rms, False)
 
 
 def using(direction, cfg):

@@ -141,7 +141,8 @@ def main() -> None:
     if not runtime.is_main or not metrics.records:
         return
     summary = metrics.summarize(cfg.train.timing_skip, {
-        "config": cfg.name, "norm": cfg.train.norm, "engine": cfg.parallel.engine,
+        "config": cfg.name, "norm": cfg.train.norm, "norm_keep_output": cfg.model.norm_keep_output,
+        "engine": cfg.parallel.engine,
         "world_size": world_size, "dp": dp, "tp": tp, "compile": cfg.train.compile,
         "dtype": cfg.train.dtype, "device": str(runtime.device),
         "memory_kind": runtime.memory_kind, **collectives})
