@@ -24,7 +24,7 @@ from ._torch_compat import module_hooks
 from .modules import LayerNorm, RMSNorm
 from .norm_families import Extra, NormFamily, lookup, mismatch
 
-DEFAULT_CLASSES = None  # every class shardnorm knows (the old ("LayerNorm", "RMSNorm", "*RMSNorm") is a subset)
+DEFAULT_CLASSES = None  # every class shardnorm knows (("LayerNorm", "RMSNorm", "*RMSNorm") is a subset)
 
 
 class NormWrapperError(ValueError):
