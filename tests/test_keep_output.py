@@ -328,6 +328,23 @@ def _llama(keep: bool, gradient_checkpointing: bool, seed: int):
     return model
 
 
+def test_hf_llama_compiled_under_gradient_checkpointing():
+    """torch.compile of a Llama with transformers' (non-reentrant) gradient checkpointing: the norms' own selective
+    checkpoint nests inside the layers' checkpoints; loss and grads equal the option off's."""
+    def run(keep):
+        model = _llama(keep, False, seed=9)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(9))
+        loss = torch.compile(model)(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch._dynamo.reset()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    for u, v in zip(run(True), run(False)):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
 def test_hf_llama_bitwise(gradient_checkpointing):
     def run(keep):
