@@ -561,51 +561,55 @@ def test_torchtitan_converter_passes_the_option():
         assert configs[0].build().keep_output is keep
 
 
-def _zero3_steps(rank, world_size, seed):
+def _zero_steps(rank, world_size, seed):
     from deepspeed_harness import full_params, load_config, loss_fn, micro_batches, norm_model, use_test_device
 
     import shardnorm.integrations.deepspeed as sd
 
     device = use_test_device(rank)
-    runs = {}
-    for keep in (True, False):
-        config = load_config("zero3.json")
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 1  # the norm weights partitioned too
-        config["shardnorm"]["keep_output"] = keep
-        model = norm_model(seed).to(device)
-        engine, *_ = sd.initialize(model=model, config=config, model_parameters=model.parameters())
-        norms = [m for m in engine.module.modules() if isinstance(m, (shardnorm.RMSNorm, shardnorm.LayerNorm))]
-        assert len(norms) == 4 and all(m.keep_output is keep for m in norms)
-        refs, released = [], []
-        prenorm = [m.norm for m in engine.module.modules() if hasattr(m, "fc")]  # parents: PrenormBlock
-        for m in prenorm:
-            m.register_forward_hook(lambda mod, a, y: refs.append(y))
-        losses = []
-        for step in micro_batches(seed + 1, 2, config["gradient_accumulation_steps"], world_size, 4, (8,)):
-            for micro in step:
-                x, target = (t.to(device) for t in micro[rank])
-                loss = loss_fn(engine(x), target)
-                released.append(sum(y.untyped_storage().nbytes() == 0 for y in refs))
-                refs.clear()
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach())
-        runs[keep] = losses, full_params(engine.module), released
-        engine.destroy()
-    (losses_off, params_off, released_off), (losses_on, params_on, released_on) = runs[True], runs[False]
-    assert all(torch.equal(a, b) for a, b in zip(losses_off, losses_on))
-    for name in params_off:
-        assert torch.equal(params_off[name], params_on[name]), name
-    assert set(released_off) == {0} and set(released_on) == {2}  # the two PrenormBlocks' norm outputs
+    for config_name in ("zero1.json", "zero2.json", "zero3.json"):
+        runs = {}
+        for keep in (True, False):
+            config = load_config(config_name)
+            if config["zero_optimization"]["stage"] == 3:
+                config["zero_optimization"]["stage3_param_persistence_threshold"] = 1  # norm weights partitioned
+            config["shardnorm"]["keep_output"] = keep
+            model = norm_model(seed).to(device)
+            engine, *_ = sd.initialize(model=model, config=config, model_parameters=model.parameters())
+            norms = [m for m in engine.module.modules() if isinstance(m, (shardnorm.RMSNorm, shardnorm.LayerNorm))]
+            assert len(norms) == 4 and all(m.keep_output is keep for m in norms)
+            refs, released = [], []
+            prenorm = [m.norm for m in engine.module.modules() if hasattr(m, "fc")]  # parents: PrenormBlock
+            for m in prenorm:
+                m.register_forward_hook(lambda mod, a, y: refs.append(y))
+            losses = []
+            for step in micro_batches(seed + 1, 2, config["gradient_accumulation_steps"], world_size, 4, (8,)):
+                for micro in step:
+                    x, target = (t.to(device) for t in micro[rank])
+                    loss = loss_fn(engine(x), target)
+                    released.append(sum(y.untyped_storage().nbytes() == 0 for y in refs))
+                    refs.clear()
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.detach())
+            runs[keep] = losses, full_params(engine.module), released
+            engine.destroy()
+        (losses_off, params_off, released_off), (losses_on, params_on, released_on) = runs[True], runs[False]
+        assert all(torch.equal(a, b) for a, b in zip(losses_off, losses_on)), config_name
+        for name in params_off:
+            assert torch.equal(params_off[name], params_on[name]), (config_name, name)
+        assert set(released_off) == {0} and set(released_on) == {2}, config_name  # the PrenormBlocks' norm outputs
 
 
 @pytest.mark.distributed
 @pytest.mark.deepspeed
-def test_deepspeed_zero3_bitwise():
+def test_deepspeed_zero_stages_bitwise():
+    """ZeRO-1, -2 and -3 (norm weights partitioned) through the "shardnorm" section's keep_output: losses and
+    parameters after the optimizer steps bitwise equal with the option on and off, the outputs released."""
     pytest.importorskip("deepspeed")
     from spawn_ranks import spawn
 
-    spawn(_zero3_steps, 2, 5)
+    spawn(_zero_steps, 2, 5)
 
 
 def test_exception_in_parent_and_no_parent():
