@@ -49,7 +49,7 @@ import torch
 from torch import fx
 
 from . import _torch_compat, settings
-from .ops import as_rows
+from .rows import as_rows
 
 counts = collections.Counter()
 _log = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .ops import as_rows as _rows
+from .rows import as_param as _flat
+from .rows import as_rows as _rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ShapeLike = Union[int, Sequence[int], torch.Size]
@@ -83,13 +84,6 @@ def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool
     if flat:
         return y, z
     return y.view(x.shape), (z.view(x.shape) if z is not None else None)
-
-
-def _flat(p: Optional[Tensor], n: int) -> Optional[Tensor]:
-    """A parameter as the kernels read it: 1-D with unit stride (a strided view, e.g. w[::2], is copied)."""
-    if p is None or p.dim() == 1 and (p.stride(0) == 1 or n == 1):
-        return p
-    return p.reshape(n).contiguous()
 
 
 def layer_norm(x: Tensor, normalized_shape: ShapeLike, weight: Optional[Tensor] = None,

@@ -49,15 +49,6 @@ def _kernels():
     return kernels
 
 
-def as_rows(t: Tensor, n: int, flat: bool = False) -> Tensor:
-    """[..., N] as the [M, N] rows the ops take, last dim contiguous (a view where strides allow); `flat`: t is
-    already [M, N]."""
-    if flat and t.stride(1) == 1:
-        return t
-    t = t.reshape(-1, n)
-    return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
-
-
 def _present(outputs: tuple, like: Tensor) -> tuple:
     """Absent outputs (None) as empty tensors: a custom op's schema returns Tensors."""
     return tuple(like.new_empty(0) if t is None else t for t in outputs)

@@ -54,7 +54,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _torch_compat, functional, ops
+from . import _torch_compat, ops
+from .rows import as_param, as_rows
 
 def compiled_norm(norm, x: Tensor, *args):
     """`norm(x, *args)` while Dynamo traces a norm with keep_output=False and no residual: inside a selective
@@ -245,8 +246,8 @@ class _Output:
         # copies of y are checked against) as it is.
         into = torch.empty(0, dtype=self.dtype, device=src.device).set_(storage, self.offset, (self.rows, self.n),
                                                                          (self.n, 1))
-        ops.norm_forward_into(into, ops.as_rows(src, self.n), functional._flat(self.weight, self.n),
-                              functional._flat(self.bias, self.n), self.eps, self.rms, self.zero_centered)
+        ops.norm_forward_into(into, as_rows(src, self.n), as_param(self.weight, self.n), as_param(self.bias, self.n),
+                              self.eps, self.rms, self.zero_centered)
         _counts["recomputed"] += 1
 
 

@@ -15,7 +15,8 @@ A cached launch passes the tensors themselves, as JITFunction.run does: Triton's
 `data_ptr()` and asks the driver (`cuPointerGetAttribute`) whether the memory is on a GPU, so a host tensor
 raises instead of being read as device memory. Passing their addresses instead was no faster and gave up that
 check (H100, two interleaved runs of `python benchmarks/host_time.py --out OUT` each way: the tensors were 1.2 us
-quicker per forward and 16 us per forward+backward, medians over shardnorm's rows, i.e. within the host's noise). Tensors on another GPU are caught before: `functional._check` checks the forward's (weight, bias,
+quicker per forward and 16 us per forward+backward, medians over shardnorm's rows, i.e. within the host's
+noise). Tensors on another GPU are caught before: `functional._check` checks the forward's (weight, bias,
 residual against x), the autograd engine a backward's incoming grads, and the custom ops their arguments
 (`ops._check_devices`).
 """

@@ -1,0 +1,23 @@
+"""The shapes the norm ops take: [M, N] rows whose last dim is contiguous, and parameters as 1-D unit-stride
+vectors of N. The kernels read raw addresses with those strides, so every caller of the ops shapes its tensors
+here (functional calls, the output recompute, the Inductor pass that fuses a residual add)."""
+
+from typing import Optional
+
+from torch import Tensor
+
+
+def as_rows(t: Tensor, n: int, flat: bool = False) -> Tensor:
+    """[..., N] as the [M, N] rows the ops take, last dim contiguous (a view where strides allow); `flat`: t is
+    already [M, N]."""
+    if flat and t.stride(1) == 1:
+        return t
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
+
+
+def as_param(p: Optional[Tensor], n: int) -> Optional[Tensor]:
+    """A parameter as the kernels read it: 1-D with unit stride (a strided view, e.g. w[::2], is copied)."""
+    if p is None or p.dim() == 1 and (p.stride(0) == 1 or n == 1):
+        return p
+    return p.reshape(n).contiguous()
