@@ -10,7 +10,7 @@ from .modules import LayerNorm, RMSNorm  # noqa: E402
 
 __all__ = ["LayerNorm", "RMSNorm", "accumulate", "add_layer_norm", "add_rms_norm", "convert", "finalize_grads",
            "layer_norm", "rms_norm"]
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 
 def __getattr__(name):
