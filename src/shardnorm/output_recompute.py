@@ -53,9 +53,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import _torch_compat, ops
 from .rows import as_param, as_rows
+
 
 def compiled_norm(norm, x: Tensor, *args):
     """`norm(x, *args)` while Dynamo traces a norm with keep_output=False and no residual: inside a selective
@@ -63,22 +65,16 @@ def compiled_norm(norm, x: Tensor, *args):
     the norm's input (which its own backward keeps anyway) rather than y for the consumers' backward, and the
     backward graph runs the forward kernel again. The residual form is traced as it is: recomputing y there
     would need x and the residual where the eager route refills from z, so the compiled graph keeps y."""
-    from torch.utils.checkpoint import checkpoint
-
     return checkpoint(norm, x, *args, use_reentrant=False, context_fn=_recompute_norm_contexts)
 
 
 def _recompute_norm_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     if op is torch.ops.shardnorm.norm_fwd.default:
         return CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_SAVE
 
 
 def _recompute_norm_contexts():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(_recompute_norm_policy)
 
 
