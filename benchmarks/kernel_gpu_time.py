@@ -2,8 +2,8 @@
 
 `bench_kernels.py` times what a user sees (autograd, Python, launches): at small rows that is the
 GPU machine's shared CPU, which moves those medians by 2x between runs. Here the bare launchers
-(`kernels.norm_fwd` / `norm_bwd`, default configs) are replayed from a CUDA graph
-(`do_bench_cudagraph`, best of 3 medians), so the numbers say what the kernels reach and stay comparable across runs.
+(`kernels.norm_fwd` / `norm_bwd`, default configs) are replayed from a CUDA graph (`do_bench_cudagraph`, best
+of 3 medians), so the numbers say what the kernels reach and stay comparable across runs.
 Same byte counts and copy ceiling as bench_kernels.py (forward: read x, write y; backward: read x
 and dy, write dx; do_bench of a device-to-device copy). Outputs are not checked here: the kernel
 tests and bench_kernels.py do that.

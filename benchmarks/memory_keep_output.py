@@ -67,7 +67,8 @@ def patch_liger(model):
     return model
 
 
-def build_variants(args, device, dtype) -> dict:
+def build_variants(args, device, dtype) -> tuple:
+    """({name: model}, why Liger is left out or None)."""
     from transformers import LlamaForCausalLM
 
     config = build_config(args)
@@ -76,6 +77,7 @@ def build_variants(args, device, dtype) -> dict:
         base = LlamaForCausalLM(config).to(dtype)
     state = base.state_dict()
     variants = {"hf": base}
+    liger_error = None
     for name in ("shardnorm", "shardnorm_discard"):
         with torch.device(device):
             model = LlamaForCausalLM(config).to(dtype)
@@ -95,13 +97,12 @@ def build_variants(args, device, dtype) -> dict:
         liger = patch_liger(model)
         vars(modeling).update(saved)
         if isinstance(liger, ImportError):
-            variants["liger_import_error"] = f"{type(liger).__name__}: {liger}"
+            liger_error = f"{type(liger).__name__}: {liger}"
         else:
             variants["liger"] = liger
     for model in variants.values():
-        if isinstance(model, torch.nn.Module):
-            model.train()
-    return variants
+        model.train()
+    return variants, liger_error
 
 
 def make_step(model, ids, compiled: bool):
@@ -163,8 +164,7 @@ def same(a, b) -> bool:
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    variants = build_variants(args, device, dtype)
-    liger_error = variants.pop("liger_import_error", None)
+    variants, liger_error = build_variants(args, device, dtype)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
     # the same step twice with the outputs kept (is the step deterministic at all: attention's backward may
@@ -221,8 +221,8 @@ def markdown(result: dict) -> str:
              f"Expected saving {result['expected_saving_mib']:.1f} MiB. First step's loss and grads, shardnorm_discard "
              f"vs shardnorm: bitwise equal {result['bitwise_equal']} (shardnorm vs itself: "
              f"{result['deterministic']}).", "",
-             "| mode | variant | step ms | step vs shardnorm | peak MiB | kept after forward MiB | vs shardnorm: peak / after forward MiB | "
-             "released MiB / recomputed per step |",
+             "| mode | variant | step ms | step vs shardnorm | peak MiB | kept after forward MiB | "
+             "vs shardnorm: peak / after forward MiB | released MiB / recomputed per step |",
              "|---|---|---|---|---|---|---|---|"]
     by = {(r["mode"], r["variant"]): r for r in result["rows"]}
     for r in result["rows"]:

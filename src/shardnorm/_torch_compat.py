@@ -231,8 +231,8 @@ def dispatch_modes_active() -> bool:
 def function_apply(cls):
     """`cls.apply` without `torch.autograd.Function.apply`'s Python wrapper, which, with no functorch transform
     active and no `setup_context`, only unwraps dead functorch wrappers (tensors that escaped a transform) and
-    calls `torch._C._FunctionBase.apply`: 2-3 us of host time per eager norm call (docs/performance.md). Under a
-    functorch transform `cls.apply` runs as it is."""
+    calls `torch._C._FunctionBase.apply`: ~2 us of host time per eager norm call on a CPU (docs/performance.md).
+    Under a functorch transform `cls.apply` runs as it is."""
     if "setup_context" in vars(cls):
         raise TypeError(f"{cls.__name__} defines setup_context: call {cls.__name__}.apply")
     base = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)

@@ -6,8 +6,8 @@ Two entry points share one forward, one saved state and one backward:
 - `torch.compile`: the custom ops `shardnorm::norm_fwd` / `norm_bwd` (fake impls, registered autograd), which
   Dynamo traces without graph breaks.
 
-Why not the custom op everywhere: on an H200 machine an eager forward through it costs 80-90 us of host time
-against 38-46 us through `Function.apply` (`python benchmarks/host_time.py`: rows `shardnorm_custom_op` against
+Why not the custom op everywhere: on an H100 machine an eager forward through it costs 84-89 us of host time
+against 31-36 us through the Function (`python benchmarks/host_time.py`: rows `shardnorm_custom_op` against
 `shardnorm_functional`), longer than the whole kernel at small shapes. Tensor subclasses other than a collective's
 pending result take the custom op, whose dispatch unwraps them; so do calls under a TorchDispatchMode, which then
 sees the norm as one op (`shardnorm.norm_fwd`) rather than the kernels' output allocations: selective activation
