@@ -59,6 +59,11 @@ def saved_tensors_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def saved_tensors_hooks_top():
+    """The (pack, unpack) pair that applies to tensors saved now, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
 def functorch_transforms_active() -> bool:
     """Whether a functorch transform (vmap, grad) is running."""
     return torch._C._are_functorch_transforms_active()
@@ -67,6 +72,16 @@ def functorch_transforms_active() -> bool:
 def tensor_version(t) -> int:
     """`t`'s version counter (bumped by every in-place write; what autograd checks saved tensors against)."""
     return t._version
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor, without importing torch.distributed.tensor (slow, and absent on some builds)."""
+    return type(t).__name__ == "DTensor"
+
+
+def is_compiled_module(module) -> bool:
+    """Whether `module` is what `torch.compile(module)` returns (its forward runs Dynamo's compiled code)."""
+    return type(module).__name__ == "OptimizedModule"
 
 
 def view_base(t):

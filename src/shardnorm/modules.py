@@ -5,10 +5,11 @@ They subclass `torch.nn.LayerNorm` / `torch.nn.RMSNorm`, so constructor argument
 ways (and `isinstance(m, torch.nn.LayerNorm)` stays true for code that looks for norms). Added:
 `zero_centered_gamma` (scale = 1 + weight; weight then initializes to zeros) and an optional
 `residual` argument to `forward` that fuses the prenorm residual add and returns `(y, x + residual)`, and
-`keep_output` (False: the output is not kept between forward and backward but recomputed into its own storage
-before the backward reads it; see `shardnorm.output_recompute`).
+`keep_output` (False: the norm's consumers save a recompute handle instead of its output, which is made again when
+their backward needs it; see `shardnorm.output_recompute`).
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -48,7 +49,7 @@ class _FusedNorm:
         y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
         if not self._keep_output:
             output_recompute.track(self, y, x if z is None else z, weight, bias, F.resolve_eps(self.eps, x.dtype),
-                                   self._rms, self.zero_centered_gamma, tuple(self.normalized_shape))
+                                   self._rms, self.zero_centered_gamma, math.prod(self.normalized_shape))
         return y if residual is None else (y, z)
 
     def _norm(self, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:

@@ -194,14 +194,14 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
     return y, (z if residual is not None else None)
 
 
-def norm_forward_into(y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                      rms: bool, zero_centered: bool) -> Tensor:
-    """Recompute a norm's output into `y` (contiguous, src's shape and dtype), bitwise the first forward's: the
-    same backend and kernel on the same src, no autograd. `src` is x, or z = x + residual for the residual form
-    (the kernels normalize the rounded z)."""
+def recompute_output(src: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, rms: bool,
+                     zero_centered: bool, dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor], Tensor]:
+    """A norm's output again, bitwise the first forward's: the same backend and kernel on the same src, no
+    autograd. `src` is x, or z = x + residual for the residual form (the kernels normalize the rounded z, and
+    round y from fp32 once, to `dtype`, as here). Returns (y, mean, rstd)."""
     with torch.no_grad():
-        _backend(src).norm_fwd(src, weight, bias, None, float(eps), rms, zero_centered, y=y)
-    return y
+        y, _, mean, rstd = _backend(src).norm_fwd(src, weight, bias, None, float(eps), rms, zero_centered)
+    return (y if y.dtype == dtype else y.to(dtype)), mean, rstd
 
 
 _dispatch_modes_active = _torch_compat.dispatch_modes_active

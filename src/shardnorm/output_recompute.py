@@ -1,55 +1,47 @@
-"""Norm outputs not kept between forward and backward (`keep_output=False`), recomputed into their own storage.
+"""Norm outputs not kept between forward and backward (`keep_output=False`): saved as a recompute handle.
 
 In a pre-norm decoder the norm's output y is saved by every matmul that reads it (q/k/v; gate/up) while the
-norm already keeps what recomputing y takes: its input x (or z = x + residual) and the parameters. With
-`keep_output=False` y's storage is freed once every consumer's forward has run and refilled, bitwise, right
-before any backward that may read it (Megatron-Core's output-discarding recompute, `--recompute-modules
-layernorm`, without naming the consumers):
+norm already keeps what recomputing y takes: its input x (or z = x + residual) and its statistics. With
+`keep_output=False` the consumers save a handle instead of y, and y is made again, bitwise, when the first of
+their backwards unpacks it (Megatron-Core's output-discarding recompute, `--recompute-modules layernorm`,
+without naming the consumers). Under sequence parallelism the same handle stands for the norm's all-gathered
+output (`SequenceParallelNorm(output_layouts=Replicate())`): each rank keeps only its shard's input, and the
+unpack recomputes the local output and all-gathers it again (Megatron-Core's and TransformerEngine's SP
+activation memory, for torch-native tensor parallelism).
 
-- Release: when the forward of the module that called the norm (its *parent*: the decoder layer) returns,
-  every consumer inside it has saved y. The norm's storage is then resized to 0 bytes; the tensor objects
-  (y, the views and aliases the matmuls saved) stay, so autograd's saved-tensor bookkeeping and version
-  counters are untouched. y is held through a weak reference to its storage only. Kept instead of released:
-  y (or a view of it) is part of the parent's output (a final norm whose output goes to lm_head outside),
-  grad is off or y needs no grad, the call is inside a backward (a checkpoint's recompute) or under
-  saved-tensors hooks (non-reentrant `torch.utils.checkpoint`, `save_on_cpu`: they manage the saved tensors
-  themselves), under torch.compile or a functorch transform, the parent's forward raised, no output of the
-  parent carries a grad_fn of its own, or a DTensor output is sharded over the normalized dims (its
-  recompute needs collectives). Nothing to release (nor recompute): nothing holds y's storage at the
-  parent's return (sequence parallel: the matmuls save the all-gathered input, not the norm's shard).
-- Refill: a pre-hook on the autograd node of each of the parent's outputs (`Node.register_prehook`, which
-  runs after the tensor hooks that FSDP2 puts on the same outputs to unshard the parameters) resizes the
-  storage back and runs the norm's forward into it (`ops.norm_forward_into`, same backend and kernel on the
-  same src, under no_grad): every backward inside the parent's graph comes after that node, so y is whole
-  again before the first consumer's backward reads it. One recompute for all consumers; no second buffer.
-- Parents are known from a module-call stack kept by global module forward hooks
-  (`torch.nn.modules.module.register_module_forward_pre_hook` / `register_module_forward_hook`), installed
-  only while some norm has keep_output=False.
+The mechanism is torch's own, `torch.autograd.graph.saved_tensors_hooks`:
 
-What is detected and raised (`KeepOutputError`): y modified in place between the norm's forward and the
-parent's return (the recompute would lose the change), or after its release; the norm's src modified in
-place, or its storage freed, before the refill. The weight and bias are copied at the forward (N elements
-each), so FSDP2 / ZeRO-3 freeing the gathered parameters after the forward does not matter.
-What cannot be detected: code that reads y outside autograd after the parent returned and before its
-backward (a forward hook of an outer module that reads it, a cache attribute, a custom autograd Function
-that keeps y on ctx by reference and reads it in a backward that does not come after the parent's outputs),
-or a backward that enters the parent's graph other than through its outputs (a loss on tensors the parent
-stored aside, such as a KV cache): the storage is empty then and the read is invalid memory. Such models
-keep keep_output=True.
+- Scope: while some norm has keep_output=False, global module forward (pre-)hooks push the pack/unpack hooks
+  at the outermost module call and pop them when it returns, so every tensor saved inside a model's forward
+  goes through them. They are not pushed where the saved tensors are managed already (an active
+  saved-tensors hook: non-reentrant `torch.utils.checkpoint`, `save_on_cpu`), inside a backward (a
+  reentrant checkpoint's recompute), under grad-mode off or while Dynamo traces (compiled models take the
+  selective checkpoint below).
+- Pack: a tensor whose base is a tracked norm output, unchanged since the norm's forward (version counter),
+  is saved as (handle, view geometry); every other tensor is saved as a detached alias with its version,
+  which unpack checks as autograd itself would (hooks turn off autograd's own check).
+- Unpack: the first consumer's unpack recomputes the output with the same kernel on the same input (no
+  autograd), the others of the same backward share it, and the last drops it.
+- The user's tensor is never touched: y's memory is freed when nothing holds it any more (the consumers hold
+  handles), and kept, correct, where something else does (a forward hook that logs it, a cache, the parent's
+  output). Nothing is resized, nothing global holds a norm's input: a handle lives in the autograd graph that
+  saved it and goes with it.
 
-Timing: a parent's released outputs all come back when its backward starts (a decoder layer's two norm
-outputs at the start of that layer's backward), not each right before its own first consumer; the peak
-saving is therefore the released outputs of every layer but the one in backward.
+What is checked: the norm's input modified in place after the forward (version counter, at unpack), and
+modified where the version counter cannot see it (through `.data`): the recompute's statistics must equal the
+forward's bitwise, checked at the end of the backward (one device-to-host read per backward, none per norm);
+both raise `KeepOutputError`. The weight and bias are copied at the forward (N elements each), so FSDP2 /
+ZeRO-3 resharding the parameters after the forward does not matter.
 
-Under torch.compile the hooks return at once while Dynamo traces; a norm with keep_output=False is traced inside a
-selective activation checkpoint that recomputes its forward op instead (`compiled_norm`), so AOTAutograd's
-partitioner gives the compiled graph the same saving (without a residual).
+Under torch.compile the hooks step aside; a norm with keep_output=False is traced inside a selective
+activation checkpoint that recomputes its forward op instead (`compiled_norm`), so AOTAutograd's partitioner
+gives the compiled graph the same saving (without a residual).
 """
 
-import math
+import sys
 import threading
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -59,12 +51,18 @@ from . import _torch_compat, ops
 from .rows import as_param, as_rows
 
 
+class KeepOutputError(RuntimeError):
+    """A norm with keep_output=False could not recompute its output faithfully."""
+
+
+# ---- torch.compile: a selective checkpoint around the norm ----------------------------------------------------
+
 def compiled_norm(norm, x: Tensor, *args):
     """`norm(x, *args)` while Dynamo traces a norm with keep_output=False and no residual: inside a selective
     activation checkpoint whose policy recomputes `shardnorm::norm_fwd`, so AOTAutograd's partitioner saves
     the norm's input (which its own backward keeps anyway) rather than y for the consumers' backward, and the
     backward graph runs the forward kernel again. The residual form is traced as it is: recomputing y there
-    would need x and the residual where the eager route refills from z, so the compiled graph keeps y."""
+    would need x and the residual, so the compiled graph keeps y."""
     return checkpoint(norm, x, *args, use_reentrant=False, context_fn=_recompute_norm_contexts)
 
 
@@ -76,10 +74,6 @@ def _recompute_norm_policy(ctx, op, *args, **kwargs):
 
 def _recompute_norm_contexts():
     return create_selective_checkpoint_contexts(_recompute_norm_policy)
-
-
-class KeepOutputError(RuntimeError):
-    """A norm with keep_output=False could not recompute its output faithfully."""
 
 
 # ---- which norms have the option on, and the global hooks that exist only while some do ----------------------
@@ -112,7 +106,7 @@ def _install() -> None:
     if not _handles:
         hooks = torch.nn.modules.module
         _handles.append(hooks.register_module_forward_pre_hook(_enter))
-        _handles.append(hooks.register_module_forward_hook(_leave, with_kwargs=True, always_call=True))
+        _handles.append(hooks.register_module_forward_hook(_leave, always_call=True))
 
 
 def _uninstall() -> None:
@@ -124,256 +118,307 @@ def hooks_installed() -> bool:
     return bool(_handles)
 
 
-_counts = {"released": 0, "released_bytes": 0, "recomputed": 0}
+_counts = {"tracked": 0, "saved_as_handle": 0, "recomputed": 0}
 
 
 def counters(reset: bool = False) -> dict:
-    """How many outputs were released (and their bytes) and recomputed since the last reset, in this process."""
+    """Outputs tracked, consumer saves that took a handle instead of the tensor, and recomputes, since the last
+    reset, in this process."""
     out = dict(_counts)
     if reset:
         _counts.update(dict.fromkeys(_counts, 0))
     return out
 
 
-# ---- the module-call stack ------------------------------------------------------------------------------------
+# ---- the scope: the outermost module call ---------------------------------------------------------------------
 
-class _Frame:
-    """One module whose forward is running, and the norm outputs waiting for its return."""
-
-    __slots__ = ("module", "pending")
-
-    def __init__(self, module):
-        self.module, self.pending = module, None
+class _Scope(threading.local):
+    depth = 0
+    hooks = None  # the saved_tensors_hooks context pushed at the outermost call, or None
+    root_frame = None  # that call's frame: a KeyboardInterrupt skips the forward hook that would pop the hooks
 
 
-_local = threading.local()
+_scope = _Scope()
 
 
-def _stack() -> list:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
-
-
-def _enter(module, args):
+def _enter(module, args) -> None:
     if torch.compiler.is_compiling():
         return
-    _stack().append(_Frame(module))
+    scope = _scope
+    if scope.depth and scope.root_frame is not None and _finished(scope.root_frame):
+        _reset(scope)
+    scope.depth += 1
+    if scope.depth == 1 and torch.is_grad_enabled() and not _torch_compat.saved_tensors_hooks_active() \
+            and _torch_compat.current_graph_task_id() == -1 and not _torch_compat.is_compiled_module(module):
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        hooks.__enter__()
+        scope.hooks, scope.root_frame = hooks, sys._getframe(1)
 
 
-def _leave(module, args, *kwargs_and_output):
-    """Forward hook (with kwargs; an exception in forward calls it as (module, args, result))."""
+def _leave(module, args, output) -> None:
     if torch.compiler.is_compiling():
         return
-    stack = _stack()
-    for i in range(len(stack) - 1, -1, -1):  # the top, unless a module's forward hooks did not run (an exception)
-        if stack[i].module is module:
-            frame = stack[i]
-            del stack[i:]
-            break
-    else:  # entered before the hooks were installed
+    scope = _scope
+    if scope.depth == 0:  # entered before the hooks were installed
         return
-    if not frame.pending:
-        return
-    if len(kwargs_and_output) == 2:
-        kwargs, output = kwargs_and_output
-    else:
-        kwargs, output = {}, kwargs_and_output[0]
-    _release(frame.pending, args, kwargs, output)
+    scope.depth -= 1
+    if scope.depth == 0:
+        _reset(scope)
 
 
-# ---- one norm output ------------------------------------------------------------------------------------------
+def _reset(scope: _Scope) -> None:
+    hooks, scope.hooks, scope.root_frame, scope.depth = scope.hooks, None, None, 0
+    if hooks is not None and _torch_compat.saved_tensors_hooks_top() == (_pack, _unpack):
+        hooks.__exit__(None, None, None)
 
-class _Output:
-    """A norm output whose storage may be released, with what recomputing it takes (local tensors for DTensors).
 
-    The output is held weakly, through its storage: when nothing saved it, a view or an alias of it (sequence
-    parallel's matmuls save the all-gathered tensor, not the norm's shard), the storage is gone by the parent's
-    return and there is nothing to release or recompute. The tensor itself (for its version counter, which its
-    views and detached aliases share) is held weakly too."""
+def _finished(frame) -> bool:
+    """Whether `frame` has returned (or unwound): only a running frame refuses `clear()`. Clearing a finished
+    one drops the locals (the interrupted call's arguments) it would otherwise keep."""
+    try:
+        frame.clear()
+    except RuntimeError:
+        return False
+    return True
 
-    __slots__ = ("owner", "storage", "base", "dtype", "offset", "rows", "src", "weight", "bias", "eps", "rms",
-                 "zero_centered", "n", "y_version", "src_version", "nbytes", "released")
 
-    def __init__(self, owner, base, src, weight, bias, eps, rms, zero_centered, n):
-        self.owner, self.src, self.weight, self.bias = owner, src, weight, bias
-        self.storage, self.base = weakref.ref(base.untyped_storage()), weakref.ref(base)
-        self.dtype, self.offset, self.rows = base.dtype, base.storage_offset(), base.numel() // n
-        self.eps, self.rms, self.zero_centered, self.n = eps, rms, zero_centered, n
-        self.y_version, self.src_version = _torch_compat.tensor_version(base), _torch_compat.tensor_version(src)
-        self.nbytes, self.released = 0, False
+# ---- the recompute handle ---------------------------------------------------------------------------------------
 
-    def name(self) -> str:
-        return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
+_ATTR = "_shardnorm_recompute"
 
-    def _check_version(self, when: str) -> None:
-        y = self.base()
-        version = self.y_version if y is None else _torch_compat.tensor_version(y)
-        if version != self.y_version:
-            raise KeepOutputError(
-                f"{self.name()}: its output was modified in place {when} (version {self.y_version} -> {version}); "
-                "the backward would recompute it without that change. Keep this norm's output (keep_output=True) "
-                "or modify a copy.")
 
-    def release(self, storage) -> None:
-        self._check_version("after the norm's forward")
-        self.nbytes = storage.nbytes()
-        storage.resize_(0)
-        self.released = True
-        _counts["released"] += 1
-        _counts["released_bytes"] += self.nbytes
+class _Recompute:
+    """How to make a tracked output's base again, bitwise, and the copy shared by one backward's consumers."""
 
-    def refill(self) -> None:
-        storage = self.storage()
-        if not self.released or storage is None:  # nothing holds the output any more: no backward reads it
+    __slots__ = ("make", "version", "saves", "value", "unread", "__weakref__")
+
+    def __init__(self, make: Callable[[], Tensor], version: int):
+        self.make, self.version = make, version
+        self.saves, self.value, self.unread = 0, None, 0
+
+    def get(self) -> Tensor:
+        value = self.value
+        if value is None:
+            with torch.no_grad():
+                value = self.make()
+            _counts["recomputed"] += 1
+            self.value, self.unread = value, self.saves
+        self.unread -= 1
+        if self.unread <= 0:  # every consumer of this backward has it: the graph holds no copy between backwards
+            self.value = None
+        return value
+
+
+def _track(out: Tensor, make: Callable[[], Tensor]) -> None:
+    """Let saves of `out` (or of views of it) take a handle that calls `make()` for `out`'s base."""
+    base = _torch_compat.view_base(out)
+    if _torch_compat.is_dtensor(base):
+        local = base.to_local()
+        if not local.is_contiguous() or local.storage_offset() != 0:
             return
-        self._check_version("after its storage was released")
-        if _torch_compat.tensor_version(self.src) != self.src_version:
-            raise KeepOutputError(f"{self.name()}: the norm's input (x, or x + residual) was modified in place "
-                                  "after the forward; its output cannot be recomputed")
-        src = self.src
-        if src.untyped_storage().nbytes() < (src.storage_offset() + src.numel()) * src.element_size():
-            raise KeepOutputError(f"{self.name()}: its input's storage was freed before the backward (by another "
-                                  "keep_output=False norm or by the caller); its output cannot be recomputed")
-        storage.resize_(self.nbytes)
-        self.released = False
-        # A tensor of its own over y's storage: writing through it leaves y's version counter (which the saved
-        # copies of y are checked against) as it is.
-        into = torch.empty(0, dtype=self.dtype, device=src.device).set_(storage, self.offset, (self.rows, self.n),
-                                                                         (self.n, 1))
-        ops.norm_forward_into(into, as_rows(src, self.n), as_param(self.weight, self.n), as_param(self.bias, self.n),
-                              self.eps, self.rms, self.zero_centered)
-        _counts["recomputed"] += 1
+    elif not base.is_contiguous() or base.storage_offset() != 0:
+        return
+    setattr(base, _ATTR, _Recompute(make, _torch_compat.tensor_version(base)))
+    _counts["tracked"] += 1
 
 
-# ---- registration (the norm's forward) -------------------------------------------------------------------------
+def recompute_of(t: Tensor) -> Optional[Callable[[], Tensor]]:
+    """What remakes `t`'s base (a tracked output's), or None."""
+    handle = getattr(_torch_compat.view_base(t), _ATTR, None)
+    return None if handle is None else handle.make
+
+
+def derive(out: Tensor, src: Tensor, transform: Callable[[Tensor], Tensor]) -> None:
+    """`out = transform(src)` (exact, e.g. a redistribute of a tracked norm output): saves of `out` take a handle
+    too, which remakes src and applies `transform` under no_grad (the SP all-gather, again, in backward). Under
+    no_grad, transform must return a tensor laid out in memory as out's base (a view's storage: as_strided)."""
+    make = recompute_of(src)
+    if make is not None:
+        _track(out, lambda: transform(make()))
+
+
+class _Saved:
+    """A consumer's save of a tracked output: the handle and where in the base the saved view lies."""
+
+    __slots__ = ("handle", "view", "dtensor")
+
+    def __init__(self, handle: _Recompute, t: Tensor, base: Tensor):
+        self.handle, self.view, self.dtensor = handle, None, None
+        handle.saves += 1
+        if _torch_compat.is_dtensor(t):
+            if t is base:
+                return
+            with torch.no_grad():
+                local = t.to_local()
+            self.view = (local.size(), local.stride(), local.storage_offset())
+            self.dtensor = (t.device_mesh, t.placements, t.size(), t.stride())
+        else:
+            self.view = (t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self) -> Tensor:
+        base = self.handle.get()
+        if self.view is None:
+            return base
+        if self.dtensor is None:
+            return base.as_strided(*self.view)
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.dtensor
+        with torch.no_grad():
+            local = base.to_local().as_strided(*self.view)
+            return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _pack(t: Tensor):
+    base = _torch_compat.view_base(t)
+    handle = getattr(base, _ATTR, None)
+    if handle is not None and _torch_compat.tensor_version(t) == handle.version:
+        _counts["saved_as_handle"] += 1
+        return _Saved(handle, t, base)
+    # A detached alias: the tensor itself would tie an op's saved output to its own grad_fn (a reference cycle
+    # autograd cannot break). It shares t's version counter, checked at unpack as autograd checks it.
+    return t.detach(), _torch_compat.tensor_version(t)
+
+
+def _unpack(packed):
+    if type(packed) is _Saved:
+        return packed.unpack()
+    t, version = packed
+    if _torch_compat.tensor_version(t) != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape)}] is at version {_torch_compat.tensor_version(t)}; expected version "
+            f"{version} instead (saved while shardnorm's keep_output=False hooks were active)")
+    return t
+
+
+# ---- the norm's side: track its output --------------------------------------------------------------------------
 
 def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, rms: bool,
-          zero_centered: bool, normalized_shape: tuple) -> None:
-    """Called by a keep_output=False norm right after its forward: y (the output) waits for its parent's forward
-    to return, then is released until the parent's backward starts. `src` is x, or z = x + residual."""
+          zero_centered: bool, n: int) -> None:
+    """Called by a keep_output=False norm right after its forward: saves of y take a recompute handle. `src` is
+    x, or z = x + residual (the kernels normalize the rounded z); `n` the normalized size."""
     if owner is not None and owner not in _discarding:  # a copy (deepcopy, pickle) of a registered module
         set_keep_output(owner, False)
+    if _scope.hooks is None or not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled():
         return
-    if not torch.is_grad_enabled() or not y.requires_grad or torch.compiler.is_compiling() \
-            or _torch_compat.current_graph_task_id() != -1 or _torch_compat.saved_tensors_hooks_active() \
-            or _torch_compat.functorch_transforms_active():
-        return
-    stack = _stack()
-    depth = len(stack) - (2 if stack and stack[-1].module is owner else 1)  # called as a module, or inside one
-    if depth < 0:
-        return
-    n = math.prod(normalized_shape)
-    if type(y).__name__ == "DTensor":
-        local = _dtensor_locals(y, src, weight, bias, len(normalized_shape))
+    if _torch_compat.is_dtensor(y):
+        local = _dtensor_locals(y, src, weight, bias, n)
         if local is None:
             return
-        y, src, weight, bias = local
-    elif not _plain(y, src, weight, bias):
+        y_local, src, weight, bias = local
+    elif all(type(t) in ops._PLAIN for t in (src, weight, bias)):
+        y_local = y
+    else:
+        return
+    stats = _forward_stats(y_local)
+    if stats is None:
         return
     # The parameters as the forward read them, copied (N elements each): FSDP2 and ZeRO-3 free a gathered
     # parameter after the forward and gather it again only when the backward reaches its own module.
     with torch.no_grad():
-        weight, bias = (p if p is None else p.detach().clone() for p in (weight, bias))
-    base = _torch_compat.view_base(y)  # y may be a view ([..., N] of the kernel's [M, N])
-    if not base.is_contiguous() or base.numel() != y.numel() or y.numel() == 0:
+        weight, bias = (as_param(p.detach(), n).clone() if p is not None else None for p in (weight, bias))
+    remake = _Remake(owner, src, weight, bias, eps, rms, zero_centered, n, y_local.dtype, stats)
+    if _torch_compat.is_dtensor(y):
+        mesh, placements, shape, stride, local_shape = y.device_mesh, y.placements, y.shape, y.stride(), y_local.shape
+
+        def make():
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(remake().view(local_shape), mesh, placements, run_check=False, shape=shape,
+                                      stride=stride)
+
+        _track(y, make)
+    else:
+        _track(y, remake)
+
+
+def _forward_stats(y_local: Tensor) -> Optional[tuple]:
+    """(mean, rstd) of the norm call that made `y_local`, from its autograd node (the op saves them)."""
+    node = _torch_compat.view_base(y_local).grad_fn
+    if getattr(node, "flags", None) is None:  # not the norm op's own node
+        return None
+    _, _, mean, rstd = node.saved_tensors
+    return mean, rstd
+
+
+class _Remake:
+    """The norm's output again, from the kept input, as the base [M, N] tensor the op returned."""
+
+    __slots__ = ("owner", "src", "src_version", "weight", "bias", "eps", "rms", "zero_centered", "n", "dtype", "stats")
+
+    def __init__(self, owner, src, weight, bias, eps, rms, zero_centered, n, dtype, stats):
+        self.owner, self.weight, self.bias, self.eps, self.rms, self.zero_centered = \
+            owner, weight, bias, float(eps), rms, zero_centered
+        self.src, self.n, self.dtype, self.stats = src, n, dtype, stats
+        self.src_version = _torch_compat.tensor_version(src)
+
+    def __call__(self) -> Tensor:
+        src = self.src
+        if _torch_compat.tensor_version(src) != self.src_version:
+            raise KeepOutputError(f"{self.name()}: the norm's input (x, or x + residual) was modified in place "
+                                  "after the forward; its output cannot be recomputed")
+        y, mean, rstd = ops.recompute_output(as_rows(src.detach(), self.n), self.weight, self.bias, self.eps,
+                                             self.rms, self.zero_centered, self.dtype)
+        _check_statistics(self, (mean, rstd))
+        return y
+
+    def name(self) -> str:
+        return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
+
+
+_pending_checks = threading.local()
+
+
+def _check_statistics(remake: _Remake, stats: tuple) -> None:
+    """The recompute's statistics against the forward's, bitwise: a changed input the version counter did not see
+    (written through `.data`) changes them. On the host the check is immediate; on a device the flags gather
+    until the end of the backward, so a norm's recompute costs no device-to-host read of its own."""
+    flags = [torch.ne(new, old).any() for new, old in zip(stats, remake.stats) if new.numel()]
+    if not flags:
         return
-    frame = stack[depth]
-    if frame.pending is None:
-        frame.pending = []
-    frame.pending.append(_Output(owner, base, src, weight, bias, float(eps), rms, zero_centered, n))
+    flag = flags[0] if len(flags) == 1 else flags[0] | flags[1]
+    if flag.device.type == "cpu" or _torch_compat.current_graph_task_id() == -1:
+        if flag.item():
+            raise _changed_input(remake)
+        return
+    pending = getattr(_pending_checks, "items", None)
+    if pending is None:
+        pending = _pending_checks.items = []
+        _torch_compat.queue_backward_callback(_check_pending)
+    pending.append((flag, remake.name()))
 
 
-def _plain(*tensors) -> bool:
-    return all(type(t) in ops._PLAIN for t in tensors)
+def _check_pending() -> None:
+    pending, _pending_checks.items = _pending_checks.items, None
+    for flag, name in pending:
+        if flag.item():
+            raise _changed_input(name)
 
 
-def _dtensor_locals(y, src, weight, bias, normalized_ndim: int) -> Optional[tuple]:
+def _changed_input(remake) -> KeepOutputError:
+    name = remake if isinstance(remake, str) else remake.name()
+    return KeepOutputError(f"{name}: the norm's input changed after the forward without a version-counter bump "
+                           "(written through `.data` or a detached alias); its output cannot be recomputed. "
+                           "Keep this norm's output (keep_output=True) or do not write to its input.")
+
+
+def _dtensor_locals(y, src, weight, bias, n: int) -> Optional[tuple]:
     """(y, src, weight, bias) as this rank's tensors when each rank's norm is its own (rows sharded or
     replicated, parameters replicated); None otherwise (hidden-sharded: the recompute needs collectives)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    first_normalized = y.dim() - normalized_ndim
     for t in (y, src):
-        if not isinstance(t, DTensor):
+        if not isinstance(t, DTensor) or t.shape[-1:].numel() == 0:
             return None
+        normalized_from = t.dim() - 1 if t.shape[-1] == n else None
         for p in t.placements:
-            if not (isinstance(p, Replicate) or isinstance(p, Shard) and p.dim % t.dim() < first_normalized):
+            if not (isinstance(p, Replicate) or isinstance(p, Shard) and normalized_from is not None
+                    and p.dim % t.dim() < normalized_from):
                 return None
     for p in (weight, bias):
         if isinstance(p, DTensor) and not all(isinstance(q, Replicate) for q in p.placements):
             return None
     with torch.no_grad():
         local = tuple(t.to_local() if isinstance(t, DTensor) else t for t in (y, src, weight, bias))
-    return local if _plain(*local[1:]) else None
-
-
-# ---- release at the parent's return, refill before its backward -------------------------------------------------
-
-def _tensors(obj, found: list, depth: int = 0) -> list:
-    """Every tensor in a module's output (tuples, lists, dicts and ModelOutput-like mappings, dataclasses)."""
-    if isinstance(obj, Tensor):
-        found.append(obj)
-    elif depth > 8:
-        return found
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            _tensors(item, found, depth + 1)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _tensors(item, found, depth + 1)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for field in obj.__dataclass_fields__:
-            _tensors(getattr(obj, field, None), found, depth + 1)
-    return found
-
-
-def _storage_key(t: Tensor):
-    if type(t).__name__ == "DTensor":
-        t = t.to_local()
-    try:
-        return t.untyped_storage().data_ptr(), t.device
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return None
-
-
-def _release(pending: list, args, kwargs, output) -> None:
-    outputs = _tensors(output, [])
-    input_nodes = {t.grad_fn for t in _tensors((args, kwargs), []) if t.grad_fn is not None}
-    nodes = []
-    for t in outputs:  # the parent's own outputs' nodes (an input handed back unchanged is not the parent's graph)
-        node = t.grad_fn
-        if node is not None and node not in input_nodes and node not in nodes:
-            nodes.append(node)
-    if not nodes:
-        return
-    with torch.no_grad():
-        kept = {_storage_key(t) for t in outputs}
-    released = []
-    for out in pending:
-        storage = out.storage()
-        if storage is None or (storage.data_ptr(), storage.device) in kept:  # nothing holds y; y is an output
-            continue
-        out.release(storage)
-        released.append(out)
-    if not released:
-        return
-    refill = _Refill(released)
-    for node in nodes:
-        node.register_prehook(refill)
-
-
-class _Refill:
-    """Pre-hook on the parent's output nodes: the first to run recomputes every released output."""
-
-    __slots__ = ("outputs",)
-
-    def __init__(self, outputs: list):
-        self.outputs = outputs
-
-    def __call__(self, grad_outputs):
-        outputs, self.outputs = self.outputs, None
-        if outputs:
-            for out in outputs:
-                out.refill()
+    return local if all(type(t) in ops._PLAIN for t in local[1:]) else None

@@ -6,18 +6,6 @@ Same signatures and outputs as `kernels.norm_fwd` / `kernels.norm_bwd`, so `ops`
 import torch
 
 
-def check_out(x, y) -> None:
-    """`y` (the forward's output argument) must be None or a contiguous tensor of x's shape, dtype and device."""
-    if y is None:
-        return
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"y must be a tensor or None, got {type(y).__name__}")
-    if y.shape != x.shape or y.dtype != x.dtype or y.device != x.device or not y.is_contiguous():
-        raise ValueError(f"y must be a contiguous tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and device "
-                         f"{x.device}; got shape {tuple(y.shape)}, dtype {y.dtype}, device {y.device}, "
-                         f"contiguous={y.is_contiguous()}")
-
-
 def _xhat(src, mean, rstd, rms: bool):
     x = src.float()
     return x * rstd[:, None] if rms else (x - mean[:, None]) * rstd[:, None]
@@ -38,10 +26,7 @@ def statistics(src, eps: float, rms: bool):
     return mean, torch.rsqrt((xf - mean[:, None]).square().mean(-1) + eps)
 
 
-def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool, *, y=None):
-    """`y`: as in `kernels.norm_fwd`, written into instead of allocated."""
-    check_out(x, y)
-    out = y
+def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
     if residual is not None:
         z = x + residual
         src = z
@@ -54,7 +39,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
-    return (y if out is None else out.copy_(y)), z, mean, rstd
+    return y, z, mean, rstd
 
 
 def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool, dy_terms: tuple = ()):

@@ -3,7 +3,7 @@
 `process_group_sequence_parallel(module, group)`, applied to one module for Megatron-style code (plain
 tensors in and out, plain params, a ProcessGroup).
 
-Both leave the activation sharded on the sequence dim, run the kernel on the local tokens, and mark
+Both run the kernel on the local tokens and mark
 weight/bias `sequence_parallel = True` (Megatron-Core's flag for "grads are partial over the tp group").
 Their reduction belongs to the model's reducer (`shardnorm.distributed.attach_reducer`,
 `shardnorm.accumulate`, `shardnorm.finalize_grads`) or, without one, to whoever reduces DTensor `Partial`
@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from shardnorm import output_recompute
 
 
 class SequenceParallelNorm(ParallelStyle):
@@ -25,13 +27,25 @@ class SequenceParallelNorm(ParallelStyle):
 
     Params become `Replicate` DTensors (broadcast from `src_data_rank`, so any init is fine). Inputs
     `x` and `residual` become DTensors sharded on `sequence_dim` (plain tensors are taken as this rank's
-    shard; DTensors are redistributed if needed); outputs keep that sharding, as local tensors if
-    `use_local_output`.
+    shard; DTensors are redistributed if needed). The output y keeps that sharding, or is redistributed to
+    `output_layouts` (`Replicate()`: the norm all-gathers its own output, so the next module's plan takes
+    `Replicate` input and gathers nothing); the residual form's z = x + residual stays sharded. Outputs are
+    local tensors if `use_local_output`.
+
+    With `output_layouts=Replicate()` and the norm's `keep_output=False`, the consumers of the gathered output
+    save a recompute handle: each rank keeps only its shard of the norm's input, and the backward recomputes the
+    local output and all-gathers it again (Megatron-Core's sequence-parallel activation memory; one extra
+    all-gather of y per norm in the backward).
     """
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+    def __init__(self, *, sequence_dim: int = 1, output_layouts: Placement | None = None,
+                 use_local_output: bool = False):
         super().__init__()
         self.sequence_sharding = (Shard(sequence_dim),)
+        if output_layouts is not None and not isinstance(output_layouts, Placement):
+            raise TypeError(f"shardnorm: SequenceParallelNorm(output_layouts=...) takes one Placement "
+                            f"(Shard(dim) or Replicate()), got {output_layouts!r}")
+        self.output_layouts = (output_layouts,) if output_layouts is not None else self.sequence_sharding
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -70,15 +84,26 @@ class SequenceParallelNorm(ParallelStyle):
         raise TypeError(f"shardnorm: SequenceParallelNorm expects tensor inputs, got {type(t).__name__}")
 
     def _prepare_outputs(self, module, args, outputs):
-        if not self.use_local_output:
-            return outputs
-        if isinstance(outputs, tuple):
-            return tuple(o.to_local() for o in outputs)
-        return outputs.to_local()
+        if isinstance(outputs, tuple):  # (y, z): the residual stream z stays sharded
+            return (self._prepare_output(outputs[0], self.output_layouts),
+                    self._prepare_output(outputs[1], self.sequence_sharding))
+        return self._prepare_output(outputs, self.output_layouts)
+
+    def _prepare_output(self, y: DTensor, placements: tuple):
+        if tuple(y.placements) == placements and not self.use_local_output:
+            return y
+
+        def transform(t: DTensor):
+            t = t.redistribute(placements=placements) if tuple(t.placements) != placements else t
+            return t.to_local() if self.use_local_output else t
+
+        out = transform(y)
+        output_recompute.derive(out, y, transform)  # keep_output=False: saves of out recompute y, then transform
+        return out
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "
-                f"use_local_output={self.use_local_output})")
+                f"output_layouts={self.output_layouts[0]}, use_local_output={self.use_local_output})")
 
 
 class _ProcessGroupSequenceParallelNorm(SequenceParallelNorm):

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from . import config
-from ..reference import check_out
 from .launch import Launcher
 
 
@@ -182,19 +181,16 @@ def _store_stats(MEAN, RSTD, rows64, row_mask, mean, rstd, IS_RMS: tl.constexpr)
     tl.store(RSTD + rows64, rstd, mask=row_mask)
 
 
-def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool, *, y=None):
+def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
     """Launch the forward kernel on 2-D x [M, N] (last dim contiguous). Returns y, z, mean, rstd;
-    z is None without a residual, mean None for RMSNorm. `y`: a contiguous tensor of x's shape, dtype and
-    device to write y into instead of a fresh one (recomputing a freed output into its own storage: bitwise
-    the result of the allocating call)."""
-    check_out(x, y)
+    z is None without a residual, mean None for RMSNorm."""
     device = x.device
     n = x.shape[1]
     param = weight if weight is not None else bias
     kernels = config.specialized(device) if n > config.MAX_FUSED_N_FWD else ""
     plan = _plan(n, param.element_size() if param is not None else 2, weight is not None, bias is not None,
                  residual is not None, rms, zero_centered, device, kernels)
-    return plan(x, weight, bias, residual, eps, y)
+    return plan(x, weight, bias, residual, eps)
 
 
 def _stageable_params(weight, bias) -> bool:
@@ -245,12 +241,10 @@ class _FwdPlan:
     def _programs(self, M):
         return self.cfg.programs(config.cdiv(M, self.cfg.block_m), self.sms)
 
-    def __call__(self, x, weight, bias, residual, eps, out=None):
+    def __call__(self, x, weight, bias, residual, eps):
         M, N = x.shape
         device = x.device
-        # The launchers leave y out of their cache keys (`derived`): a fresh tensor is 16-byte aligned, and so
-        # must a given one be, else the kernel writes a fresh one and it is copied over.
-        y = out if out is not None and not out.data_ptr() & 15 else torch.empty_like(x)
+        y = torch.empty_like(x)
         z = torch.empty((M, N), dtype=torch.result_type(x, residual), device=device) if residual is not None else None
         mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
         rstd = torch.empty(M, dtype=torch.float32, device=device)
@@ -260,6 +254,4 @@ class _FwdPlan:
             programs = config.per_m(self.programs, M, self._programs)
             self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
                         residual.stride()[0] if residual is not None else 0, M, N, eps)
-        if out is not None and y is not out:
-            y = out.copy_(y)
         return y, z, mean, rstd

@@ -1,0 +1,139 @@
+"""Sequence parallelism with the norm gathering its own output (`SequenceParallelNorm(output_layouts=Replicate())`)
+and `keep_output=False`: each rank keeps only its shard of the norm's input; the gathered output is recomputed and
+all-gathered again in backward. Loss and every grad bitwise equal to the option off, and equal (to fp32 rounding)
+to one process running the same model unsharded; the gathered outputs are freed after the forward."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import shardnorm
+
+H, FFN, SEQ, BATCH = 32, 64, 8, 2
+
+
+class Block(torch.nn.Module):
+    """Pre-norm attention-like and MLP-like sublayers, each norm output read by two matmuls (q/k, up/gate)."""
+
+    def __init__(self, keep: bool, residual_form: bool):
+        super().__init__()
+        self.attention_norm = shardnorm.RMSNorm(H, keep_output=keep)
+        self.ffn_norm = shardnorm.LayerNorm(H, keep_output=keep)
+        self.wq, self.wk, self.wo = (torch.nn.Linear(H, H, bias=False) for _ in range(3))
+        self.w1, self.w3 = torch.nn.Linear(H, FFN, bias=False), torch.nn.Linear(H, FFN, bias=False)
+        self.w2 = torch.nn.Linear(FFN, H, bias=False)
+        self.residual_form = residual_form
+
+    def forward(self, x, residual=None):
+        if self.residual_form:
+            h, residual = self.attention_norm(x, residual) if residual is not None else (self.attention_norm(x), x)
+            a = self.wo(self.wq(h) * torch.sigmoid(self.wk(h)))
+            h, residual = self.ffn_norm(a, residual)
+            return self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h)), residual
+        h = self.attention_norm(x)
+        x = x + self.wo(self.wq(h) * torch.sigmoid(self.wk(h)))
+        h = self.ffn_norm(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h)), None
+
+
+class Model(torch.nn.Module):
+    def __init__(self, keep: bool, residual_form: bool, layers: int = 2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block(keep, residual_form) for _ in range(layers))
+
+    def forward(self, x):
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual)
+        return x if residual is None else x + residual
+
+
+def _build(keep, residual_form, device, seed=0):
+    torch.manual_seed(seed)
+    model = Model(keep, residual_form).to(device)
+    with torch.no_grad():  # norms away from their init (weight 1, bias 0): grads must depend on them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def sp_plan(norm_style):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"attention_norm": norm_style, "ffn_norm": norm_style,
+            "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+
+
+def _sharded_steps(rank, world_size, residual_form, seed):
+    from spawn_ranks import rank_device
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from shardnorm.distributed import SequenceParallelNorm
+
+    device = rank_device(rank)
+    mesh = init_device_mesh(device.type, (world_size,))
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(BATCH, SEQ, H, generator=g).to(device)
+    dy_full = torch.randn(BATCH, SEQ, H, generator=g).to(device)
+
+    # single process, unsharded, same initial weights
+    ref = _build(True, residual_form, device)
+    x_ref = x_full.clone().requires_grad_()
+    (ref(x_ref) * dy_full).sum().backward()
+
+    results = {}
+    for keep in (True, False):
+        model = _build(keep, residual_form, device)
+        for layer in model.layers:
+            parallelize_module(layer, mesh, sp_plan(SequenceParallelNorm(output_layouts=Replicate())))
+        gathered = []
+
+        def watch(module, args, output):
+            y = output[0] if isinstance(output, tuple) else output
+            assert isinstance(y, DTensor) and y.placements == (Replicate(),) and tuple(y.shape) == (BATCH, SEQ, H)
+            gathered.append(weakref.ref(y.to_local().untyped_storage()))
+
+        for layer in model.layers:
+            for norm in (layer.attention_norm, layer.ffn_norm):
+                norm.register_forward_hook(watch)
+        x = DTensor.from_local(x_full.chunk(world_size, dim=1)[rank].clone(), mesh, (Shard(1),))
+        x.requires_grad_()
+        shardnorm.output_recompute.counters(reset=True)
+        out = model(x)
+        gc.collect()
+        alive = sum(r() is not None for r in gathered)
+        loss = (out.to_local() * dy_full.chunk(world_size, dim=1)[rank]).sum()
+        loss.backward()
+        counts = shardnorm.output_recompute.counters()
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        results[keep] = loss.detach(), grads, x.grad.to_local().clone(), alive, counts
+
+    (loss_on, grads_on, dx_on, alive_on, _), (loss_off, grads_off, dx_off, alive_off, counts) = \
+        results[True], results[False]
+    assert torch.equal(loss_on, loss_off)
+    assert all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
+    assert torch.equal(dx_on, dx_off)
+    assert alive_on == 4, alive_on  # kept: every gathered output lives until the backward
+    assert alive_off == 0, alive_off  # released: nothing holds a gathered output after the forward
+    # 4 gathered outputs, each saved by its two consumers' matmuls and recomputed once in the backward
+    assert counts["recomputed"] == 4 and counts["saved_as_handle"] >= 8, counts
+    # against one process without sharding (different summation order of the matmuls: fp32 tolerance)
+    ref_grads = [p.grad for p in ref.parameters()]
+    for a, b in zip(grads_off, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dx_off, x_ref.grad.chunk(world_size, dim=1)[rank], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("residual_form", [False, True], ids=["plain", "residual"])
+def test_gathered_output_recomputed_bitwise(residual_form):
+    from spawn_ranks import spawn
+
+    spawn(_sharded_steps, 2, residual_form, 1234)
