@@ -1,8 +1,9 @@
 """A small Llama-style decoder: RMSNorm pre-norms, RoPE attention through SDPA, SwiGLU MLP.
 
-Written so tensor parallelism needs no model changes: attention and MLP infer their local head /
-hidden counts from tensor shapes, and the blocks pass the residual stream explicitly, so that a norm
-which fuses the residual add (shardnorm.RMSNorm) can do `norm(x + residual)` in one kernel.
+Plain torch, as torchtitan writes its models: the norms are torch.nn.RMSNorm, and `build_model` converts
+them to shardnorm's (`shardnorm.convert`, same Parameters) when asked; parallelism is applied afterwards by
+parallel/parallelize.py. Attention and MLP infer their local head / hidden counts from tensor shapes, so
+tensor parallelism needs no model changes.
 """
 
 import math
@@ -27,19 +28,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
-
-
-def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
-    """(norm(x + residual), x + residual): the pre-norm residual stream step.
-
-    shardnorm.RMSNorm fuses the add into its kernel; torch's norm gets the sum computed here.
-    """
-    if residual is None:
-        return norm(x), x
-    if isinstance(norm, shardnorm.RMSNorm):
-        return norm(x, residual)
-    residual = x + residual
-    return norm(residual), residual
 
 
 class Attention(nn.Module):
@@ -77,34 +65,28 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, norm_cls: type[nn.Module]):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attention_norm = norm_cls(cfg.dim, eps=cfg.norm_eps)
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
-        self.ffn_norm = norm_cls(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, residual, cos, sin):
-        """Takes and returns (branch output, residual stream); their sum is the block's output."""
-        h, residual = add_norm(self.attention_norm, x, residual)
-        h, residual = add_norm(self.ffn_norm, self.attention(h, cos, sin), residual)
-        return self.feed_forward(h), residual
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, norm_cls: type[nn.Module]):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(VOCAB_SIZE, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, norm_cls) for _ in range(cfg.n_layers))
-        self.norm = norm_cls(cfg.dim, eps=cfg.norm_eps)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, VOCAB_SIZE, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        if not cfg.norm_keep_output:
-            for module in self.modules():
-                if isinstance(module, shardnorm.RMSNorm):
-                    module.keep_output = False
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -122,19 +104,20 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, VOCAB_SIZE) for byte tokens (batch, seq)."""
-        x, residual = self.tok_embeddings(tokens), None
+        x = self.tok_embeddings(tokens)
         for block in self.layers:
-            x, residual = block(x, residual, self.rope_cos, self.rope_sin)
-        h, _ = add_norm(self.norm, x, residual)
-        return self.output(h)
-
-
-def norm_class(norm: str) -> type[nn.Module]:
-    return {"shardnorm": shardnorm.RMSNorm, "torch": nn.RMSNorm}[norm]
+            x = block(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x))
 
 
 def build_model(cfg: ModelConfig, norm: str, device: torch.device, seed: int) -> Transformer:
-    """The same initial weights for a given seed on every rank (sharding happens afterwards)."""
+    """The same initial weights for a given seed on every rank (sharding happens afterwards); with
+    norm="shardnorm" the norms are converted in place (model.norm_keep_output: keep their outputs or not)."""
+    if norm not in ("shardnorm", "torch"):
+        raise ValueError(f"norm must be 'shardnorm' or 'torch', got {norm!r}")
     torch.manual_seed(seed)
     with torch.device(device):
-        return Transformer(cfg, norm_class(norm))
+        model = Transformer(cfg)
+    if norm == "shardnorm":
+        shardnorm.convert(model, keep_output=cfg.norm_keep_output)
+    return model

@@ -5,6 +5,11 @@ the sequence dim (Shard(1)); attention and MLP inputs are all-gathered to Replic
 linears split columns (heads / hidden units), their last linears split rows and reduce-scatter back
 to Shard(1). Norm weights stay replicated over tp; their grads are partial sums over the tp ranks'
 tokens, which the norm's ParallelStyle makes sure are reduced exactly once.
+
+Who gathers: torch's plan gathers in the consumers' `PrepareModuleInput` (each rank saves the gathered
+input in full for backward); shardnorm's norms gather their own output (`SequenceParallelNorm(
+output_layouts=Replicate())`), the same one all-gather, so that with `model.norm_keep_output = false`
+the consumers save a recompute handle and each rank keeps only its shard (docs/distributed.md).
 """
 
 import torch
@@ -21,40 +26,44 @@ from parallel.config import TrainConfig
 from parallel.model import Block, Transformer
 
 
-def norm_style(norm: str):
-    """shardnorm's style routes the tp-partial norm grads to its reducer; torch's leaves `Partial`."""
-    return SequenceParallelNorm() if norm == "shardnorm" else SequenceParallel()
-
-
 def uses_norm_reducer(norm: str, tp: int) -> bool:
     """shardnorm's reducer owns the tp reduction of sequence-parallel shardnorm norm grads."""
     return norm == "shardnorm" and tp > 1
 
 
+def gathered_input(module_inputs: int, norm_gathers: bool) -> PrepareModuleInput | None:
+    """The consumers' input plan: all-gather the sequence shards, unless the norm in front already did."""
+    if norm_gathers:
+        return None
+    rest = (None,) * (module_inputs - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+
+
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, norm: str) -> None:
+    gathers = norm == "shardnorm"
+    norm_style = SequenceParallelNorm(output_layouts=Replicate()) if gathers else SequenceParallel()
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": norm_style(norm),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "norm": norm_style,
+        "output": ColwiseParallel(input_layouts=Replicate() if gathers else Shard(1), output_layouts=Replicate()),
     })
     if model.cfg.tie_embeddings:  # both were sharded Shard(0) on the vocab dim: tie them again
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": norm_style(norm),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+        plan = {
+            "attention_norm": norm_style,
+            "attention": gathered_input(3, gathers),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": norm_style(norm),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
+            "ffn_norm": norm_style,
+            "feed_forward": gathered_input(1, gathers),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        }
+        parallelize_module(block, tp_mesh, {name: style for name, style in plan.items() if style is not None})
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, dtype: torch.dtype) -> None:

@@ -1,16 +1,18 @@
-"""keep_output=False: norm outputs released between forward and backward and recomputed into their own storage.
+"""keep_output=False: the consumers of a norm's output save a recompute handle; the output is made again in backward.
 
 Every check runs the same model twice from the same seed, option off and on, and compares the loss and every grad
-bitwise; the release itself is checked on the outputs' storage (0 bytes between the forward and the backward).
+bitwise; the saving itself is checked on the outputs' storage (freed after the forward: a weak reference dies).
 """
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
 import shardnorm
-from shardnorm import output_recompute
+from shardnorm import _torch_compat, output_recompute
 from shardnorm.output_recompute import KeepOutputError
 
 H = 32
@@ -67,11 +69,14 @@ def _perturb(model, seed):
 
 
 def _outputs_of(model) -> list:
-    """Every shardnorm norm's output in the next forward (y only: the residual form's z is the stream)."""
+    """Weak references to every shardnorm norm's output storage in the next forward (y only: the residual form's
+    z is the stream). Weak: a hook that kept the outputs would keep them alive."""
     seen = []
 
     def hook(module, args, output):
-        seen.append(output[0] if isinstance(output, tuple) else output)
+        y = output[0] if isinstance(output, tuple) else output
+        local = y.to_local() if type(y).__name__ == "DTensor" else y
+        seen.append(weakref.ref(local.untyped_storage()))
 
     for m in model.modules():
         if isinstance(m, (shardnorm.RMSNorm, shardnorm.LayerNorm)):
@@ -126,7 +131,9 @@ def _assert_bitwise(a, b):
 
 
 def _released_count(outputs) -> int:
-    return sum(y.untyped_storage().nbytes() == 0 for y in outputs)
+    """How many of the watched outputs nothing holds any more (freed: their consumers saved handles)."""
+    gc.collect()
+    return sum(ref() is None for ref in outputs)
 
 
 @pytest.mark.parametrize("rms", [True, False])
@@ -140,12 +147,10 @@ def test_grads_bitwise_and_storage_released(device, rms, residual_form):
     on = _run(False, 11, watch=lambda outs: released.append(_released_count(outs)), **kw)
     counts = output_recompute.counters()
     _assert_bitwise(off, on)
-    y_bytes = 3 * 5 * H * (2 if dtype == torch.bfloat16 else 4)
-    assert counts == {"released": 7, "released_bytes": 7 * y_bytes, "recomputed": 7}
-    # 3 blocks x 2 norms released; the final norm's output is the Stack's input to head, not a block's: the
-    # Stack is its parent and returns head(y), so it is released too
+    # 3 blocks x 2 norms and the final norm (head's input, inside the Stack's forward); each recomputed once
+    assert counts["tracked"] == 7 and counts["recomputed"] == 7, counts
+    assert counts["saved_as_handle"] >= 7 * 2 - 1, counts  # two consumers a norm (the final norm: head alone)
     assert released == [7]
-    assert all(y.untyped_storage().nbytes() > 0 for y in on[2])  # refilled by the backward
 
 
 def test_gradient_accumulation_and_fp64_reference(device):
@@ -160,27 +165,31 @@ def test_gradient_accumulation_and_fp64_reference(device):
 
 
 def test_output_of_parent_is_kept():
-    """A norm whose output is the parent's output (or a view of it) is not released."""
+    """A norm whose output is the parent's output: the user holds it, so it stays, whole; backward is right."""
     norm = shardnorm.RMSNorm(H, keep_output=False)
-    parent = torch.nn.Sequential(torch.nn.Linear(H, H), norm)
+    parent = torch.nn.Sequential(torch.nn.Linear(H, H), norm, torch.nn.Linear(H, H))
     outputs = _outputs_of(parent)
-    y = parent(torch.randn(4, H))
-    assert outputs[0] is y and y.untyped_storage().nbytes() > 0
+    x = torch.randn(4, H, requires_grad=True)
+    h = parent[1](parent[0](x))
+    y = parent(x)
+    assert _released_count(outputs) == 1  # the output of the inner call inside parent(...) was freed
+    expected = torch.autograd.grad(parent[2](h).sum(), x)[0]
     y.sum().backward()
+    assert torch.equal(x.grad, expected)
 
 
 def test_not_released_without_grad_or_under_checkpoint():
     torch.manual_seed(0)
     model = Stack(False)
-    outputs = _outputs_of(model)
     x = torch.randn(2, 3, H, requires_grad=True)
+    output_recompute.counters(reset=True)
     with torch.no_grad():
         model(x)
-    assert _released_count(outputs) == 0
-    outputs.clear()
     out = torch.utils.checkpoint.checkpoint(model.blocks[0], x, use_reentrant=False)
-    assert len(outputs) == 2 and _released_count(outputs) == 0  # saved-tensors hooks active: the checkpoint's
     out.sum().backward()
+    # no grad: nothing saved; under the checkpoint's saved-tensors hooks the checkpoint owns the saved tensors
+    assert output_recompute.counters()["tracked"] == 0
+    assert _torch_compat.saved_tensors_hooks_top() is None
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -202,19 +211,145 @@ def test_checkpointed_blocks_bitwise(use_reentrant):
         assert torch.equal(u, v)
 
 
-def test_in_place_change_of_output_raises():
-    class Bad(torch.nn.Module):
-        def __init__(self):
+class _Parent(torch.nn.Module):
+    """norm -> lin, with a step between them or after them (`between(y)`, `after(y)`) and a way to return y."""
+
+    def __init__(self, keep: bool, between=None, after=None, wrap=None):
+        super().__init__()
+        torch.manual_seed(5)
+        self.norm, self.lin = shardnorm.RMSNorm(H, keep_output=keep), torch.nn.Linear(H, H)
+        self.between, self.after, self.wrap = between, after, wrap
+
+    def forward(self, x):
+        y = self.norm(x)
+        if self.between is not None:
+            self.between(y)
+        out = self.lin(y)
+        if self.after is not None:
+            self.after(y)
+        return out if self.wrap is None else self.wrap(out, y)
+
+
+def _grads(parent, x):
+    out = parent(x)
+    out = out.out if hasattr(out, "out") else out
+    out.square().sum().backward()
+    return [x.grad] + [p.grad for p in parent.parameters()]
+
+
+def _same_grads(make, reference_make=None):
+    """Grads of make(keep=False) equal (bitwise) those of reference_make(keep=True) (default: make(keep=True))."""
+    got = _grads(make(False), x := torch.randn(3, H, generator=torch.Generator().manual_seed(1), requires_grad=True))
+    ref_x = x.detach().clone().requires_grad_()
+    want = _grads((reference_make or make)(True), ref_x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_in_place_change_of_output_before_its_consumers():
+    """y changed in place before a consumer saves it: that save keeps the tensor itself (the recompute would lose
+    the change), so the grads are the option off's."""
+    _same_grads(lambda keep: _Parent(keep, between=lambda y: y.mul_(2.0)))
+
+
+def test_outputs_held_by_user_code_stay_correct():
+    """A forward hook that keeps the output (activation logging), an output captured in an object the parent returns,
+    and an output modified in place after the parent returned: never a crash, the values the user sees are the
+    forward's, and the grads are those of the unmodified forward."""
+    logged = []
+
+    def logging_parent(keep):
+        parent = _Parent(keep)
+        parent.norm.register_forward_hook(lambda m, a, y: logged.append(y))
+        return parent
+
+    _same_grads(logging_parent)
+    assert torch.equal(logged[0], logged[1])  # the kept output reads as the forward wrote it
+
+    class Holder:  # neither a tuple, dict nor dataclass
+        def __init__(self, out, y):
+            self.out, self.y = out, y
+
+    _same_grads(lambda keep: _Parent(keep, wrap=Holder))
+
+    captured = []
+    parent = _Parent(False, after=captured.append)
+    x = torch.randn(3, H, requires_grad=True)
+    out = parent(x)
+    expected = captured[0].detach().clone()
+    captured[0].detach().add_(100.0)  # user code scribbles on the output after the forward
+    out.square().sum().backward()  # the handle recomputes the forward's y, not the scribbled one
+    ref = _Parent(True)
+    ref_x = x.detach().clone().requires_grad_()
+    ref(ref_x).square().sum().backward()
+    assert torch.equal(x.grad, ref_x.grad) and torch.equal(parent.lin.weight.grad, ref.lin.weight.grad)
+    assert not torch.equal(captured[0], expected)
+
+
+def test_mixed_dtype_residual_and_retried_backward():
+    """norm(x_bf16, residual=r_fp32): y is bf16, z = x + r is fp32; the recompute from z rounds to y's dtype once,
+    bitwise the fused forward; a second backward on the retained graph gives the same grads."""
+
+    class Parent(torch.nn.Module):
+        def __init__(self, keep):
             super().__init__()
-            self.norm, self.lin = shardnorm.RMSNorm(H, keep_output=False), torch.nn.Linear(H, H)
+            torch.manual_seed(3)
+            self.norm = shardnorm.RMSNorm(H, keep_output=keep)
+            self.lin = torch.nn.Linear(H, H).to(torch.bfloat16)
 
-        def forward(self, x):
-            y = self.norm(x)
-            y.mul_(2.0)  # the recompute would not repeat this
-            return self.lin(y)
+        def forward(self, x, r):
+            y, z = self.norm(x, r)
+            return self.lin(y).float() + z
 
-    with pytest.raises(KeepOutputError, match="modified in place"):
-        Bad()(torch.randn(3, H, requires_grad=True))
+    def run(keep):
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(3, H, generator=g).to(torch.bfloat16).requires_grad_()
+        r = torch.randn(3, H, generator=g).requires_grad_()
+        parent = Parent(keep)
+        loss = parent(x, r).square().sum()
+        loss.backward(retain_graph=True)
+        first = [t.grad.clone() for t in (x, r, *parent.parameters())]
+        loss.backward()
+        return first, [t.grad for t in (x, r, *parent.parameters())]
+
+    (first_off, second_off), (first_on, second_on) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(first_off, first_on))
+    assert all(torch.equal(a, b) for a, b in zip(second_off, second_on))
+    assert all(torch.isfinite(g).all() for g in second_on)
+
+
+def test_input_changed_through_data_raises():
+    """The norm's input written through `.data` (no version bump) between forward and backward: the recompute's
+    statistics differ from the forward's, and the backward raises instead of using a wrong output."""
+    parent = _Parent(False)
+    x = torch.randn(3, H, requires_grad=True)
+    h = x * 1.0
+    out = parent.lin(parent.norm(h)) if False else parent(h)
+    h.data.mul_(3.0).add_(1.0)
+    with pytest.raises(KeepOutputError, match="without a version-counter bump"):
+        out.sum().backward()
+
+
+def test_keyboard_interrupt_in_parent_forward():
+    """A KeyboardInterrupt skips the module forward hooks (torch runs them only for Exception): the hooks pushed at
+    the outermost call stay pushed until the next outermost call notices its frame is gone. Nothing is held in the
+    meantime: norm calls outside any module keep no input."""
+
+    def interrupt(y):
+        raise KeyboardInterrupt
+
+    parent = _Parent(False, after=interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        parent(torch.randn(3, H, requires_grad=True))
+    inputs = []
+    for _ in range(200):
+        x = torch.randn(64, H, requires_grad=True)
+        inputs.append(weakref.ref(x))
+        parent.norm(x).sum().backward()
+        del x
+    gc.collect()
+    assert sum(ref() is not None for ref in inputs) == 0
+    _same_grads(lambda keep: _Parent(keep))  # the next outermost call resets the scope
+    assert _torch_compat.saved_tensors_hooks_top() is None
 
 
 def test_in_place_change_of_input_raises():
@@ -364,15 +499,14 @@ def test_hf_llama_bitwise(gradient_checkpointing):
     assert all(torch.equal(a, b) for a, b in zip(off[0], on[0]))
     for name_grad in zip(off[1], on[1]):
         assert torch.equal(*name_grad)
-    # 2 layers x 2 norms each step; the final norm's output is LlamaModel's output: kept. With checkpointing
-    # the layers run under the checkpoint: nothing to release (the checkpoint keeps none of them)
-    assert on[2] == ([0, 0] if gradient_checkpointing else [4, 4])
-    assert off[2] == [0, 0]
+    # 2 layers x 2 norms and the final norm (lm_head's input) each step. Under checkpointing the layers' norm
+    # outputs are freed either way (the checkpoint keeps none of them) and only the final norm's differs
+    assert on[2] == [5, 5]
+    assert off[2] == ([4, 4] if gradient_checkpointing else [0, 0])
 
 
 def test_nothing_released_when_no_consumer_saves_the_output():
     """A consumer that saves no copy of y (relu saves its result): y is gone at the parent's return."""
-    import weakref
 
     from shardnorm._torch_compat import view_base
 
@@ -414,12 +548,12 @@ def test_compat_entries():
 
 # ---- the main job's model: single process, DTensor sequence parallel and FSDP2 on 2 gloo ranks -----------------
 
-def _main_job_model(keep: bool, seed: int):
+def _main_job_model(keep: bool, seed: int, device=torch.device("cpu")):
     from parallel.config import ModelConfig
     from parallel.model import build_model
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32, norm_keep_output=keep)
-    return build_model(cfg, "shardnorm", torch.device("cpu"), seed)
+    return build_model(cfg, "shardnorm", device, seed)
 
 
 def test_main_job_model_bitwise():
@@ -447,42 +581,35 @@ def test_main_job_config_key():
 
 
 def _distributed_steps(rank, world_size, seed):
-    import weakref
 
+    from spawn_ranks import rank_device
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from parallel.config import TrainConfig
     from parallel.engines import TorchEngine
     from parallel.parallelize import parallelize, uses_norm_reducer
-    from shardnorm._torch_compat import view_base
 
+    device = rank_device(rank)
     for dp, tp in ((2, 1), (1, 2)):  # FSDP2 over 2 ranks; tensor + sequence parallel (DTensor norms) over 2
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         runs = {}
         for keep in (True, False):
             train = TrainConfig(norm="shardnorm", grad_accum=2, max_grad_norm=1.0)
-            model = _main_job_model(keep, seed)
+            model = _main_job_model(keep, seed, device)
             engine = TorchEngine(parallelize(model, mesh, train), train, norm_reducer=uses_norm_reducer("shardnorm", tp))
-            refs, released = [], []
+            refs, released = _outputs_of(model), []
 
-            def capture(module, args, y):
-                local = y.to_local() if isinstance(y, DTensor) else y
-                refs.append(weakref.ref(view_base(local[0] if isinstance(local, tuple) else local)))
-
-            def count(module, args, output):  # after the root's forward: every parent has returned
-                released.append(sum(r() is not None and r().untyped_storage().nbytes() == 0 for r in refs))
+            def count(module, args, output):  # after the root's forward
+                released.append(_released_count(refs))
                 refs.clear()
 
-            for m in model.modules():
-                if isinstance(m, shardnorm.RMSNorm):
-                    m.register_forward_hook(capture)
             model.register_forward_hook(count)
             g = torch.Generator().manual_seed(seed + (rank if dp > 1 else 0))
             losses = []
             for _ in range(2):
-                micro = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
-                         for _ in range(train.grad_accum)]
+                micro = [(torch.randint(0, 256, (2, 16), generator=g).to(device),
+                          torch.randint(0, 256, (2, 16), generator=g).to(device)) for _ in range(train.grad_accum)]
                 losses.append(engine.step(micro))
             params = [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
             runs[keep] = losses, params, released
@@ -491,9 +618,9 @@ def _distributed_steps(rank, world_size, seed):
         for a, b in zip(params_off, params_on):
             assert torch.equal(a, b), (dp, tp)
         assert released_off == [0] * 4
-        # FSDP2: every norm output released (2 blocks x 2 + final); sequence parallel: the matmuls save the
-        # all-gathered input, not the norm's shard, so there is nothing to release (and nothing recomputed)
-        assert released_on == ([5] * 4 if tp == 1 else [0] * 4), (dp, tp, released_on)
+        # every norm output freed after the forward (2 blocks x 2 + final); under sequence parallelism the norms
+        # gather their own outputs, and it is the gathered outputs whose consumers save a handle
+        assert released_on == [5] * 4, (dp, tp, released_on)
 
 
 @pytest.mark.distributed
@@ -581,13 +708,13 @@ def _zero_steps(rank, world_size, seed):
             refs, released = [], []
             prenorm = [m.norm for m in engine.module.modules() if hasattr(m, "fc")]  # parents: PrenormBlock
             for m in prenorm:
-                m.register_forward_hook(lambda mod, a, y: refs.append(y))
+                m.register_forward_hook(lambda mod, a, y: refs.append(weakref.ref(y.untyped_storage())))
             losses = []
             for step in micro_batches(seed + 1, 2, config["gradient_accumulation_steps"], world_size, 4, (8,)):
                 for micro in step:
                     x, target = (t.to(device) for t in micro[rank])
                     loss = loss_fn(engine(x), target)
-                    released.append(sum(y.untyped_storage().nbytes() == 0 for y in refs))
+                    released.append(_released_count(refs))
                     refs.clear()
                     engine.backward(loss)
                     engine.step()
@@ -613,8 +740,8 @@ def test_deepspeed_zero_stages_bitwise():
 
 
 def test_exception_in_parent_and_no_parent():
-    """A parent whose forward raises releases nothing and leaves the module-call stack as it was; a norm called
-    outside any module keeps its output (nothing says when its consumers are done)."""
+    """A parent whose forward raises: the hooks pushed at its call are popped (torch runs always_call forward hooks
+    on an Exception) and what it stored stays whole; a norm called outside any module saves its output as usual."""
 
     class Raises(torch.nn.Module):
         def __init__(self):
@@ -629,10 +756,11 @@ def test_exception_in_parent_and_no_parent():
     parent = Raises()
     with pytest.raises(ValueError, match="boom"):
         parent(torch.randn(3, H, requires_grad=True))
-    assert parent.y.untyped_storage().nbytes() > 0
-    assert output_recompute._stack() == []
+    assert torch.isfinite(parent.y).all()
+    assert _torch_compat.saved_tensors_hooks_top() is None and output_recompute._scope.depth == 0
     x = torch.randn(3, H, requires_grad=True)
-    y = parent.norm(x)  # no parent
+    output_recompute.counters(reset=True)
+    y = parent.norm(x)  # no parent: its consumer runs after the scope closed and saves y itself
     out = torch.nn.functional.linear(y, parent.lin.weight)
-    assert y.untyped_storage().nbytes() > 0
     out.sum().backward()
+    assert output_recompute.counters()["saved_as_handle"] == 0

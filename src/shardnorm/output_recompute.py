@@ -374,7 +374,7 @@ def _check_statistics(remake: _Remake, stats: tuple) -> None:
     """The recompute's statistics against the forward's, bitwise: a changed input the version counter did not see
     (written through `.data`) changes them. On the host the check is immediate; on a device the flags gather
     until the end of the backward, so a norm's recompute costs no device-to-host read of its own."""
-    flags = [torch.ne(new, old).any() for new, old in zip(stats, remake.stats) if new.numel()]
+    flags = [torch.ne(new, old).any() for new, old in zip(stats, remake.stats) if new is not None and new.numel()]
     if not flags:
         return
     flag = flags[0] if len(flags) == 1 else flags[0] | flags[1]
@@ -419,6 +419,6 @@ def _dtensor_locals(y, src, weight, bias, n: int) -> Optional[tuple]:
     for p in (weight, bias):
         if isinstance(p, DTensor) and not all(isinstance(q, Replicate) for q in p.placements):
             return None
-    with torch.no_grad():
-        local = tuple(t.to_local() if isinstance(t, DTensor) else t for t in (y, src, weight, bias))
+    with torch.no_grad():  # a collective's pending result (the embedding's reduce-scatter) as the op saw it: waited
+        local = tuple(ops._ready(t.to_local()) if isinstance(t, DTensor) else t for t in (y, src, weight, bias))
     return local if all(type(t) in ops._PLAIN for t in local[1:]) else None
