@@ -232,3 +232,17 @@ def test_function_apply_matches_apply_and_defers_to_it_under_functorch():
 
     with pytest.raises(TypeError, match="setup_context"):
         compat.function_apply(WithSetup)
+
+
+def test_innermost_functorch_transform_names_the_running_transform():
+    seen = []
+
+    def probe(x):
+        seen.append(compat.innermost_functorch_transform())
+        return x.sum()
+
+    assert compat.innermost_functorch_transform() is None
+    torch.func.vmap(probe)(torch.randn(2, 3))
+    torch.func.grad(probe)(torch.randn(3))
+    torch.func.jvp(probe, (torch.randn(3),), (torch.randn(3),))
+    assert seen == ["Vmap", "Grad", "Jvp"]

@@ -69,6 +69,12 @@ def functorch_transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def innermost_functorch_transform() -> str | None:
+    """The innermost running torch.func transform's kind ("Vmap", "Grad", "Jvp", "Functionalize"), None outside."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    return None if interpreter is None else interpreter.key().name
+
+
 def tensor_version(t) -> int:
     """`t`'s version counter (bumped by every in-place write; what autograd checks saved tensors against)."""
     return t._version

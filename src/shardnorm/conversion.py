@@ -13,6 +13,8 @@ parameters, e.g. from Hugging Face `tp_plan`) is refused with `NormWrapperError`
 would silently lose it. `wrappers_of` says what is there, `convert_module` converts one module.
 """
 
+import difflib
+import logging
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -22,7 +24,9 @@ import torch
 
 from ._torch_compat import module_hooks
 from .modules import LayerNorm, RMSNorm
-from .norm_families import Extra, NormFamily, lookup, mismatch
+from .norm_families import KNOWN, Extra, NormFamily, lookup, mismatch
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_CLASSES = None  # every class shardnorm knows (("LayerNorm", "RMSNorm", "*RMSNorm") is a subset)
 
@@ -89,7 +93,8 @@ def _matches(name: str, patterns: Optional[tuple]) -> bool:
 
 def _looks_like_norm(module: torch.nn.Module) -> bool:
     """A leaf module whose class says it is a norm (the ones worth reporting when left alone)."""
-    return "norm" in type(module).__name__.lower() and next(module.children(), None) is None
+    return isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or (
+        "norm" in type(module).__name__.lower() and next(module.children(), None) is None)
 
 
 def _plan(module: torch.nn.Module, extra: Optional[Extra]) -> tuple:
@@ -121,6 +126,8 @@ def _build(module: torch.nn.Module, family: NormFamily) -> torch.nn.Module:
             if family.bias:
                 new.bias = module.bias
     new.weight = module.weight
+    for buffer_name, buffer in module._buffers.items():  # only torch's own norms get here with buffers (`mismatch`)
+        new.register_buffer(buffer_name, buffer, persistent=buffer_name not in module._non_persistent_buffers_set)
     new.train(module.training)
     return new
 
@@ -139,13 +146,91 @@ def convert_module(module: torch.nn.Module, extra: Optional[Extra] = None, name:
     return _build(module, family)
 
 
+def unknown_classes(classes: Iterable[str], extra: Optional[Extra] = None) -> list:
+    """The entries of a `classes` selection that name no class `convert` knows (the table, torch's two norms,
+    `extra`), so they could never select anything: a typo, or a class that needs `extra`."""
+    names = {"LayerNorm", "RMSNorm", *KNOWN, *(k if isinstance(k, str) else k.__name__ for k in (extra or {}))}
+    return [p for p in classes if not any(_matches(name, (p,)) for name in names)]
+
+
+def near_class(name: str) -> Optional[str]:
+    """The known norm class name closest to `name` (a likely typo's intent), or None."""
+    found = difflib.get_close_matches(name.removeprefix("*"), ["LayerNorm", "RMSNorm", *sorted(KNOWN)], n=1)
+    return found[0] if found else None
+
+
+def _check_classes(patterns: tuple, extra: Optional[Extra]) -> None:
+    if unknown := unknown_classes(patterns, extra):
+        listed = ", ".join(f"{p!r}" + (f" (did you mean {near!r}?)" if (near := near_class(p)) else "")
+                           for p in unknown)
+        raise ValueError(f"shardnorm.convert: classes names no norm class shardnorm knows: {listed}. Known: "
+                         "LayerNorm, RMSNorm and the classes of shardnorm.norm_families; for your own class pass "
+                         "extra={cls: family}")
+
+
+def _replacements(model: torch.nn.Module, patterns: Optional[tuple], extra: Optional[Extra]) -> tuple:
+    """What `convert` would do, with the model untouched: ([(parent or None, attribute, new module)], converted
+    names, skipped). Every name a module is registered under in its parents is listed, so aliases
+    (`self.final_norm = self.norm`) stay one module."""
+    converted, skipped, done = [], [], {}
+
+    def visit(name: str, module: torch.nn.Module) -> Optional[torch.nn.Module]:
+        if id(module) in done:
+            return done[id(module)]
+        new = None
+        if not isinstance(module, (LayerNorm, RMSNorm)) and _matches(type(module).__name__, patterns):
+            family, reason = _plan(module, extra)
+            if family is not None:
+                new = convert_module(module, extra, name)
+                converted.append(name)
+            elif _looks_like_norm(module):
+                skipped.append(Skipped(name, type(module).__name__, reason))
+        done[id(module)] = new
+        return new
+
+    root = visit("", model)
+    if root is not None:
+        return [(None, "", root)], converted, skipped
+    swaps = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent._modules.items():  # named_children() hides a second name of one module
+            if child is not None:
+                new = visit(f"{parent_name}.{child_name}" if parent_name else child_name, child)
+                if new is not None:
+                    swaps.append((parent, child_name, new))
+    return swaps, converted, skipped
+
+
+def convertible(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_CLASSES, *,
+                extra: Optional[Extra] = None) -> list:
+    """(name, replacement) for each module `convert(model, classes, extra=extra)` would replace, the replacement
+    sharing its Parameters, with the model untouched. Raises what `convert` would raise."""
+    patterns = _patterns(classes)
+    if patterns is not None:
+        _check_classes(patterns, extra)
+    swaps, converted, _ = _replacements(model, patterns, extra)
+    new_modules = list({id(new): new for _, _, new in swaps}.values())  # aliases: one replacement, one name
+    return list(zip(converted, new_modules))
+
+
+def _patterns(classes: Optional[Iterable[str]]) -> Optional[tuple]:
+    if isinstance(classes, str):
+        raise TypeError(f"shardnorm.convert: classes must be a list of class names, got the string {classes!r}")
+    if classes is None:
+        return None
+    return tuple(classes)
+
+
 def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_CLASSES, *,
             extra: Optional[Extra] = None, warn: bool = True, keep_output: bool = True) -> ConvertResult:
     """Replace the norms of `model` (and `model` itself if it is one). Returns `ConvertResult`:
-    `model, count = convert(model)`, with `.converted` and `.skipped` for the details.
+    `model, count = convert(model)`, with `.converted` and `.skipped` for the details. Every replacement is
+    built before the first is installed, so an error leaves `model` as it was. Logs what it converted at
+    INFO (logger "shardnorm.conversion").
 
     classes: only convert classes with these names (a leading "*" matches a suffix: "*RMSNorm");
-        default: every class shardnorm knows. Never widens the table.
+        default: every class shardnorm knows. Never widens the table; a name that matches no known
+        class (a typo) raises ValueError.
     extra: `{cls or class name: NormFamily}` for your own norm classes (see shardnorm.norm_families).
     warn: warn once, listing the norm-like modules left alone and why.
     keep_output: False: every shardnorm norm of the result (converted here or before) recomputes its output
@@ -153,39 +238,32 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_C
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"shardnorm.convert: model must be a torch.nn.Module, got {type(model).__name__}")
-    patterns = None if classes is None else tuple(classes)
-    converted, skipped, done = [], [], {}
-
-    def visit(name: str, module: torch.nn.Module) -> Optional[torch.nn.Module]:
-        if isinstance(module, (LayerNorm, RMSNorm)) or not _matches(type(module).__name__, patterns):
-            return None
-        if id(module) in done:
-            return done[id(module)]
-        family, reason = _plan(module, extra)
-        if family is None:
-            if _looks_like_norm(module):
-                skipped.append(Skipped(name, type(module).__name__, reason))
-            return None
-        new = done[id(module)] = convert_module(module, extra, name)
-        converted.append(name)
-        return new
-
-    root = visit("", model)
-    if root is not None:
-        model = root
-    else:
-        for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
-            for child_name, child in list(parent.named_children()):
-                new = visit(f"{parent_name}.{child_name}" if parent_name else child_name, child)
-                if new is not None:
-                    setattr(parent, child_name, new)
+    patterns = _patterns(classes)
+    if patterns is not None:
+        _check_classes(patterns, extra)
+    swaps, converted, skipped = _replacements(model, patterns, extra)
+    for parent, attribute, new in swaps:
+        if parent is None:
+            model = new
+        else:
+            setattr(parent, attribute, new)
     if not keep_output:
         for module in model.modules():
             if isinstance(module, (LayerNorm, RMSNorm)):
                 module.keep_output = False
+    _log_converted(model, converted)
     if warn:
         _warn(model, converted, skipped)
     return ConvertResult(model, len(converted), converted, skipped)
+
+
+def _log_converted(model: torch.nn.Module, converted: list) -> None:
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    total = sum(isinstance(m, (LayerNorm, RMSNorm)) for m in model.modules())
+    shown = ", ".join(converted[:8]) + (", ..." if len(converted) > 8 else "")
+    _log.info("shardnorm.convert: converted %d norm module(s) of %s%s; %d shardnorm norm module(s) in the model",
+              len(converted), type(model).__name__, f" ({shown})" if converted else "", total)
 
 
 def _warn(model: torch.nn.Module, converted: list, skipped: list) -> None:

@@ -153,7 +153,8 @@ def lookup(module: torch.nn.Module, extra: Optional[Extra] = None) -> Optional[N
 def mismatch(module: torch.nn.Module, family: NormFamily) -> Optional[str]:
     """Why `module` does not have the structure `family` converts (None: it does)."""
     if type(module) in (torch.nn.LayerNorm, torch.nn.RMSNorm):
-        return None  # torch's own: converted from their constructor arguments
+        # torch's own: converted from their constructor arguments; buffers move over (their forward reads none)
+        return "has submodules, which the shardnorm module would not keep" if module._modules else None
     if not getattr(module, "with_scale", True):
         return "has no weight (with_scale=False), so its normalized size is unknown"
     weight = module._parameters.get("weight")

@@ -38,7 +38,9 @@ from . import _torch_compat, reference, settings
 
 def _backend(t: Tensor):
     name = settings.get().backend or ("triton" if t.is_cuda else "torch")
-    return reference if name == "torch" else _kernels()
+    # meta tensors (shape propagation, deferred init) have no data for the kernels: the torch ops give the
+    # output's meta tensors
+    return reference if name == "torch" or t.is_meta else _kernels()
 
 
 @functools.cache
@@ -181,16 +183,43 @@ class _NormFunction(torch.autograd.Function):
         dy, dz = _ready(dy), _ready(dz)
         return _input_grads(ctx, dy, dz, _backward_kernels if _eager_ok(dy, dz) else norm_bwd)
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(_unsupported("forward-mode AD (torch.autograd.forward_ad dual tensors)"))
+
+
+_INSTEAD = ("Use torch.nn.functional.layer_norm / rms_norm (or torch.nn.LayerNorm / RMSNorm) where you need it; "
+            "reverse-mode grads (backward, torch.autograd.grad, create_graph=True for second order) are supported")
+
+
+def _unsupported(what: str) -> str:
+    return (f"shardnorm's norms do not support {what}: their autograd.Function over the kernels has no torch.func "
+            f"rules. {_INSTEAD}")
+
+
+def _transform_error(error: Exception) -> Exception:
+    """The error to raise for `error` from a norm call: a clear one when a torch.func transform is running (torch's
+    own says "must override setup_context" or names no transform), else `error` itself."""
+    transform = _torch_compat.innermost_functorch_transform()
+    if transform is None:
+        return error
+    what = {"Vmap": "torch.func.vmap", "Grad": "torch.func.grad / vjp / jacrev",
+            "Jvp": "torch.func.jvp / jacfwd (forward-mode AD)"}.get(transform, f"torch.func's {transform} transform")
+    return NotImplementedError(_unsupported(what))
+
 
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
          eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
     eps = float(eps)
-    if not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) and not _dispatch_modes_active():
-        if residual is None:
-            return _apply(x, weight, bias, None, eps, rms, zero_centered), None
-        return _apply(x, weight, bias, residual, eps, rms, zero_centered)
-    y, z, _, _ = norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+    try:
+        if not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) and not _dispatch_modes_active():
+            if residual is None:
+                return _apply(x, weight, bias, None, eps, rms, zero_centered), None
+            return _apply(x, weight, bias, residual, eps, rms, zero_centered)
+        y, z, _, _ = norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+    except (RuntimeError, NotImplementedError) as e:  # a try costs nothing until it catches
+        raise _transform_error(e) from e
     return y, (z if residual is not None else None)
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from .deepspeed_autotp import own_marked_norm_grads
+from .deepspeed_autotp import marked_norm_params, own_marked_norm_grads
 from .deepspeed_config import ShardnormConfigError, ShardnormSection, load_config, parse_section, read_section
-from .deepspeed_conversion import convert_norms
+from .deepspeed_conversion import convert_norms, planned_norms
 
 __all__ = ["ShardnormConfigError", "ShardnormSection", "apply", "initialize", "parse_section", "read_section"]
 
@@ -32,18 +32,20 @@ def apply(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     For code that calls `deepspeed.initialize` itself (Hugging Face Trainer, Accelerate). Under
     ZeRO 1/2/3 and Ulysses nothing else is needed: DeepSpeed reduces norm grads like any other. The
     one thing `apply` cannot do is own AutoTP's q/k-norm all-reduces (that needs the engine), so
-    there it asks for `shardnorm.integrations.deepspeed.initialize` or `"grad_reduce": "deepspeed"`.
+    there it asks for `shardnorm.integrations.deepspeed.initialize` or `"grad_reduce": "deepspeed"`,
+    before changing the model (any error leaves the model as it was).
     """
     ds_config = load_config(config)
     section = read_section(ds_config)
     if section is None:
         return model
-    model, _ = convert_norms(model, section)
-    if own_marked_norm_grads(model, ds_config, section) is not None:
+    if section.grad_reduce == "step" and marked_norm_params(model, ds_config,
+                                                            [m for _, m in planned_norms(model, section)]):
         raise ShardnormConfigError(
             "shardnorm.grad_reduce", '"step" under AutoTP needs shardnorm.integrations.deepspeed.initialize (it '
             'hooks the engine); with apply() set "grad_reduce": "deepspeed" to keep DeepSpeed\'s per-parameter '
-            'all-reduce')
+            'all-reduce. Nothing was converted')
+    model, _ = convert_norms(model, section)
     return model
 
 

@@ -53,8 +53,9 @@ def _partition_config(model: torch.nn.Module, ds_config: dict):
     return config
 
 
-def marked_norm_params(model: torch.nn.Module, ds_config: dict) -> list:
-    """shardnorm weights/biases that AutoTP marks for a tensor-parallel grad all-reduce."""
+def marked_norm_params(model: torch.nn.Module, ds_config: dict, norms=None) -> list:
+    """The weights/biases of `norms` (default: the model's shardnorm norms) that AutoTP marks for a
+    tensor-parallel grad all-reduce."""
     if autotp_size(ds_config) <= 1:
         return []
     config = _partition_config(model, ds_config)
@@ -63,7 +64,7 @@ def marked_norm_params(model: torch.nn.Module, ds_config: dict) -> list:
     from deepspeed.module_inject.auto_tp import AutoTP
 
     model_type = AutoTP._get_model_type(types.SimpleNamespace(module=model))
-    norm_params = {id(p) for m in shardnorm_modules(model) for p in m.parameters()}
+    norm_params = {id(p) for m in (shardnorm_modules(model) if norms is None else norms) for p in m.parameters()}
     marked = []
     for name, param in model.named_parameters():
         spec = config.find_matching_spec(name, model_type)

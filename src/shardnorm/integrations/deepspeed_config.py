@@ -4,8 +4,10 @@ DeepSpeed ignores unknown top-level sections, so nobody else checks this one: ev
 checked here, and every error names the key (``shardnorm.<key>``) it is about.
 """
 
+import difflib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
@@ -27,8 +29,10 @@ class ShardnormSection:
 
     enabled: convert the model's norms (false: leave the model untouched).
     replace: class names of the norm modules to convert ("*RMSNorm" matches a suffix, e.g.
-        LlamaRMSNorm); None converts every kind that `shardnorm.convert` knows.
-    zero_centered_gamma: store the scale as (weight - 1), as Gemma/Megatron do.
+        LlamaRMSNorm); None converts every kind that `shardnorm.convert` knows. A name that matches no
+        class `shardnorm.convert` knows is an error.
+    zero_centered_gamma: store the scale as (weight - 1), as Gemma/Megatron do; refused (nothing converted)
+        where weight - 1 is not exact in the weight's dtype, which would change the function.
     grad_reduce: who all-reduces the gradients of norm weights that DeepSpeed AutoTP marks as
         replicated-with-grad-all-reduce (q/k norms over tensor-parallel heads): "step" = shardnorm,
         coalesced into fp32 buckets, once per optimizer step; "deepspeed" = DeepSpeed's own hook,
@@ -72,6 +76,14 @@ def _replace(value: Any) -> Optional[Tuple[str, ...]]:
                                        f'expected a class name or "*" + a name suffix, got {name!r}')
     if len(set(value)) != len(value):
         raise ShardnormConfigError(_key("replace"), f"lists a class name twice: {list(value)!r}")
+    from ..conversion import near_class, unknown_classes
+
+    for name in unknown_classes(value):
+        near = near_class(name)
+        raise ShardnormConfigError(f"{_key('replace')}[{list(value).index(name)}]",
+                                   f"{name!r} names no norm class shardnorm.convert knows"
+                                   + (f" (did you mean {near!r}?)" if near else "")
+                                   + "; known: LayerNorm, RMSNorm and the classes of shardnorm.norm_families")
     return tuple(value)
 
 
@@ -117,10 +129,28 @@ def load_config(config: Any) -> dict:
     raise ShardnormConfigError("config", f"expected a dict or the path of a JSON file, got {config!r}")
 
 
+def near_miss_sections(config: Mapping) -> list:
+    """Top-level keys that look like a misspelled "shardnorm" section ("shard_norm", "ShardNorm", "shardnrom")."""
+    def canonical(key):
+        return str(key).lower().replace("_", "").replace("-", "")
+
+    return [key for key in config if key != SECTION and (
+        canonical(key).startswith(SECTION) or difflib.SequenceMatcher(None, canonical(key), SECTION).ratio() >= 0.8)]
+
+
+def warn_near_miss_sections(config: Mapping) -> None:
+    if SECTION not in config and (near := near_miss_sections(config)):
+        warnings.warn(f'the DeepSpeed config has no "{SECTION}" section but has {near[0]!r}: shardnorm reads only '
+                      f'"{SECTION}" (DeepSpeed ignores unknown sections), so {near[0]!r} is not applied', stacklevel=3)
+
+
 def read_section(config: Any) -> Optional[ShardnormSection]:
-    """The validated section of a DeepSpeed config; None when it is absent or disabled."""
-    section = load_config(config).get(SECTION)
+    """The validated section of a DeepSpeed config; None when it is absent or disabled. Warns when the
+    section is absent but a key looks like a misspelling of it."""
+    config = load_config(config)
+    section = config.get(SECTION)
     if section is None:
+        warn_near_miss_sections(config)
         return None
     parsed = parse_section(section)
     return parsed if parsed.enabled else None

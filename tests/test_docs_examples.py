@@ -1,0 +1,106 @@
+"""Every ```python block of README.md and docs/ runs on CPU, as a reader would paste it.
+
+The blocks are read from the markdown at collection time (whatever exists then), each run in a fresh namespace
+from `tests/docs_prelude.py` (the placeholders: `x`, `model`, `path`, ...). An HTML comment on the line before a
+fence changes how it runs:
+
+- `<!-- docs-test: ranks=2 -->`: in 2 processes (gloo), with `mesh` (1-D), `dp`, `tp` and `world_size` bound;
+- `<!-- docs-test: skip REASON -->`: not run; only where running is impossible on CPU (REASON must say why).
+
+`path` (a tiny Llama saved with save_pretrained) is bound where the block mentions it. The examples run in a
+temporary directory holding a link to configs/.
+"""
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import docs_prelude
+from spawn_ranks import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
+FENCE = re.compile(r"^( *)```python\s*$")
+
+
+def python_blocks(text: str) -> list:
+    """[(line number, marker or "", code)] of the ```python fences in `text` (indented fences de-indented)."""
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            i += 1
+            continue
+        indent, start = len(fence.group(1)), i
+        previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER.search(previous)
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][indent:])
+            i += 1
+        blocks.append((start + 1, marker.group(1) if marker else "", "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+def _examples() -> list:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    params = []
+    for md in files:
+        for line, marker, code in python_blocks(md.read_text()):
+            name = f"{md.relative_to(ROOT)}:{line}"
+            marks = []
+            if marker.startswith("skip"):
+                reason = marker[len("skip"):].strip()
+                assert reason, f"{name}: a docs-test skip marker must give its reason"
+                marks.append(pytest.mark.skip(reason=reason))
+            params.append(pytest.param(name, marker, code, id=name, marks=marks))
+    return params
+
+
+def test_marker_parsing():
+    text = "intro\n\n<!-- docs-test: ranks=2 -->\n```python\na = 1\n```\n  ```python\n  b = 2\n  ```\n"
+    assert python_blocks(text) == [(4, "ranks=2", "a = 1\n"), (7, "", "b = 2\n")]
+
+
+def _namespace(root: str, code: str, seed: int) -> dict:
+    return {**docs_prelude.namespace(root, seed), **docs_prelude.lazy_names(code, root)}
+
+
+def _run(code: str, name: str, names: dict) -> None:
+    with warnings.catch_warnings(), docs_prelude.cuda_as_cpu():
+        warnings.simplefilter("ignore")
+        exec(compile(code, name, "exec"), names)
+
+
+def _ranked_body(rank, world_size, root, name, code):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spawn_ranks import DEVICE
+
+    if "deepspeed" in code.lower():
+        from deepspeed_harness import use_test_device
+
+        use_test_device(rank)
+    names = _namespace(f"{root}/rank{rank}", code, seed=0)
+    names.update(mesh=init_device_mesh(DEVICE, (world_size,), mesh_dim_names=("tp",)), world_size=world_size,
+                 dp=1, tp=world_size)
+    _run(code, name, names)
+
+
+@pytest.mark.parametrize("name, marker, code", _examples())
+def test_docs_example_runs(name, marker, code, tmp_path, monkeypatch):
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # the examples name configs/ relative to the checkout
+    monkeypatch.chdir(tmp_path)
+    if marker.startswith("ranks="):
+        spawn(_ranked_body, int(marker[len("ranks="):]), str(tmp_path), name, code)
+    else:
+        assert not marker, f"{name}: unknown docs-test marker {marker!r}"
+        print(f"seed 0: {name}")
+        _run(code, name, _namespace(str(tmp_path), code, seed=0))
+    if not torch.cuda.is_available():
+        torch.set_default_device(None)
