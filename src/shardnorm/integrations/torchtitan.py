@@ -91,9 +91,13 @@ class ShardnormRMSNorm(shardnorm.RMSNorm, Module):
         if self._parallelized:
             raise ValueError(f"{type(self).__name__} has already been parallelized")
         self._parallelized = True
-        parallelize_module(self, tp_mesh, SequenceParallelNorm(sequence_dim=1))
+        # An output the plan redistributes to one placement (the final norm all-gathers for lm_head) is
+        # redistributed by the style itself: with keep_output=False its consumers then save a recompute handle.
+        out = resolve_placements(plan.out_dst_shardings, tp_mesh) if plan.out_dst_shardings is not None else None
+        output_layouts = out[0] if out is not None and len(out) == 1 else None
+        parallelize_module(self, tp_mesh, SequenceParallelNorm(sequence_dim=1, output_layouts=output_layouts))
         setattr(self, _SEQUENCE_PARALLEL, True)
-        if plan.out_dst_shardings is not None:  # e.g. the final norm all-gathers for lm_head
+        if out is not None and output_layouts is None:
             self.register_forward_hook(lambda m, args, out: m._redistribute_outputs(parallel_dims, out))
 
 

@@ -1,0 +1,222 @@
+"""Sequence-parallel activation memory and step time of the main job's model: torch-native SP against shardnorm.
+
+Three variants of `parallel.model.Transformer` under the main job's TP plan (`parallel.parallelize`), one process
+per tp rank:
+- torch:            torch.nn.RMSNorm + `SequenceParallel`; the consumers' `PrepareModuleInput` all-gathers, and
+                    every rank saves the gathered norm output in full for backward.
+- shardnorm:        converted norms, `SequenceParallelNorm(output_layouts=Replicate())`: the norm gathers (the
+                    same one all-gather), the consumers save the gathered output as before.
+- shardnorm_recompute: the same with keep_output=False: the consumers save a recompute handle; the backward
+                    recomputes the local output and all-gathers it again.
+
+Per rank: the bytes a forward leaves allocated (what the backward will read: activations plus the logits), the
+peak of a whole step over the allocation before it (GPU only), the step time as alternating pairs against the
+torch variant (GPU only: K rounds, each round one step of every variant in turn; the median of the per-round
+ratios and their range), and the losses (shardnorm variants bitwise equal, torch within bf16 rounding).
+Bytes on the CPU come from the profiler's allocation records over the forward; on a GPU from
+`torch.cuda.memory_allocated`.
+
+    python benchmarks/sp_activation_memory.py --tp 2 4 8 --out DIR                    # CPU, gloo (accounting)
+    python benchmarks/sp_activation_memory.py --device cuda --tp 2 --dim 2048 --layers 8 --ffn 5632 \\
+        --heads 16 --seq 2048 --batch 8 --dtype bfloat16 --pairs 10 --out DIR          # 2 GPUs, NCCL
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # parallel/ runs from the checkout
+
+VARIANTS = ("torch", "shardnorm", "shardnorm_recompute")
+MIB = 2 ** 20
+
+
+def _build(variant: str, args, mesh, device):
+    from parallel.config import ModelConfig
+    from parallel.model import build_model
+    from parallel.parallelize import apply_tensor_parallel
+
+    cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.heads,
+                      ffn_dim=args.ffn, max_seq_len=args.seq, norm_keep_output=variant != "shardnorm_recompute")
+    norm = "torch" if variant == "torch" else "shardnorm"
+    model = build_model(cfg, norm, device, seed=0).to(getattr(torch, args.dtype))
+    apply_tensor_parallel(model, mesh, norm)
+    return model
+
+
+def _loss(model, tokens):
+    logits = model(tokens)
+    logits = logits.to_local() if type(logits).__name__ == "DTensor" else logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+
+def _forward_bytes(model, tokens, device) -> tuple:
+    """(loss, bytes the forward left allocated on this rank)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = _loss(model, tokens)
+        torch.cuda.synchronize()
+        return loss, torch.cuda.memory_allocated() - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = _loss(model, tokens)
+    return loss, sum(e.self_cpu_memory_usage for e in prof.key_averages())
+
+
+def _step(model, tokens, device) -> tuple:
+    """One forward + backward: (loss, forward bytes, peak bytes over the start, seconds)."""
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start_bytes = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    loss, forward_bytes = _forward_bytes(model, tokens, device)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - start_bytes if device.type == "cuda" else 0
+    return loss.detach(), forward_bytes, peak, seconds
+
+
+def _rank(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if args.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh(device.type, (world,))
+    tokens = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    models = {v: _build(v, args, mesh, device) for v in VARIANTS}
+    rows = {v: dict(losses=[], forward_bytes=[], peak_bytes=[], seconds=[]) for v in VARIANTS}
+    for round_ in range(args.warmup + args.pairs):
+        for v in VARIANTS:  # alternating: every round runs each variant once, in the same order
+            loss, forward_bytes, peak, seconds = _step(models[v], tokens, device)
+            if round_ >= args.warmup:
+                row = rows[v]
+                row["losses"].append(loss.item())
+                row["forward_bytes"].append(forward_bytes)
+                row["peak_bytes"].append(peak)
+                row["seconds"].append(seconds)
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _summary(tp: int, rows: dict, args) -> dict:
+    torch_steps = rows["torch"]["seconds"]
+    gathered_per_norm = args.batch * args.seq * args.dim * torch.finfo(getattr(torch, args.dtype)).bits // 8
+    norms = 2 * args.layers + 1
+    out = dict(tp=tp, device=args.device, dtype=args.dtype, gathered_mib_per_norm=gathered_per_norm / MIB,
+               norms=norms, variants={})
+    for v, row in rows.items():
+        ratios = [a / b for a, b in zip(row["seconds"], torch_steps)]
+        out["variants"][v] = dict(
+            forward_mib=statistics.median(row["forward_bytes"]) / MIB,
+            peak_mib=statistics.median(row["peak_bytes"]) / MIB if args.device == "cuda" else None,
+            step_ms=statistics.median(row["seconds"]) * 1e3,
+            step_ratio_vs_torch_median=statistics.median(ratios), step_ratio_range=[min(ratios), max(ratios)],
+            pair_ratios=ratios, losses=row["losses"])
+    base = out["variants"]["shardnorm"]
+    out["saved_mib_recompute_vs_shardnorm"] = base["forward_mib"] - out["variants"]["shardnorm_recompute"]["forward_mib"]
+    out["saved_mib_recompute_vs_torch"] = (out["variants"]["torch"]["forward_mib"]
+                                           - out["variants"]["shardnorm_recompute"]["forward_mib"])
+    out["losses_bitwise_shardnorm_variants"] = base["losses"] == out["variants"]["shardnorm_recompute"]["losses"]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=704)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--pairs", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for tp in args.tp:
+        if args.device == "cuda" and tp > torch.cuda.device_count():
+            print(f"tp={tp}: {torch.cuda.device_count()} GPUs visible, skipped")
+            continue
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_rank, args=(tp, _free_port(), args, queue), nprocs=tp, join=True)
+        results.append(_summary(tp, queue.get(), args))
+        (args.out / "sp_activation_memory.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)},
+                                                                            results=results), indent=1))
+        r = results[-1]
+        print(f"tp={tp}: forward MiB torch {r['variants']['torch']['forward_mib']:.2f}, shardnorm "
+              f"{r['variants']['shardnorm']['forward_mib']:.2f}, recompute "
+              f"{r['variants']['shardnorm_recompute']['forward_mib']:.2f} (gathered norm output "
+              f"{r['gathered_mib_per_norm']:.2f} MiB x {r['norms']} norms)", flush=True)
+    _write_markdown(results, args)
+
+
+def _write_markdown(results: list, args) -> None:
+    lines = ["| tp | variant | forward MiB / rank | saved vs torch | peak MiB | step ms | step / torch (median, range) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = r["variants"]["torch"]["forward_mib"]
+        for v, row in r["variants"].items():
+            peak = f"{row['peak_mib']:.0f}" if row["peak_mib"] is not None else "-"
+            lo, hi = row["step_ratio_range"]
+            lines.append(f"| {r['tp']} | {v} | {row['forward_mib']:.2f} | {base - row['forward_mib']:.2f} | {peak} | "
+                         f"{row['step_ms']:.1f} | {row['step_ratio_vs_torch_median']:.3f} ({lo:.3f}-{hi:.3f}) |")
+    lines.append("")
+    lines.append(f"Gathered norm output per norm: {results[0]['gathered_mib_per_norm']:.2f} MiB; "
+                 f"{results[0]['norms']} norms. Shardnorm variants' losses bitwise equal: "
+                 f"{all(r['losses_bitwise_shardnorm_variants'] for r in results)}.")
+    (args.out / "sp_activation_memory.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tps = [r["tp"] for r in results]
+    for v in VARIANTS:
+        ax.plot(tps, [r["variants"][v]["forward_mib"] for r in results], marker="o", label=v)
+    ax.set_xlabel("tp")
+    ax.set_ylabel("bytes held after forward per rank (MiB)")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    ax.set_title(f"SP activation memory ({args.device}, {args.dtype})")
+    fig.tight_layout()
+    fig.savefig(args.out / "sp_activation_memory.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
