@@ -13,8 +13,8 @@ Per rank: the bytes a forward leaves allocated (what the backward will read: act
 peak of a whole step over the allocation before it (GPU only), the step time as alternating pairs against the
 torch variant (GPU only: K rounds, each round one step of every variant in turn; the median of the per-round
 ratios and their range), and the losses (shardnorm variants bitwise equal, torch within bf16 rounding).
-Bytes on the CPU come from the profiler's allocation records over the forward; on a GPU from
-`torch.cuda.memory_allocated`.
+Bytes on the CPU: every storage an op made during the forward, weakly held, counted if still alive after it (a
+dispatch mode: the norms take their custom-op route there); on a GPU: `torch.cuda.memory_allocated`.
 
     python benchmarks/sp_activation_memory.py --tp 2 4 8 --out DIR                    # CPU, gloo (accounting)
     python benchmarks/sp_activation_memory.py --device cuda --tp 2 --dim 2048 --layers 8 --ffn 5632 \\
@@ -22,17 +22,20 @@ Bytes on the CPU come from the profiler's allocation records over the forward; o
 """
 
 import argparse
+import gc
 import json
 import os
 import socket
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # parallel/ runs from the checkout
 
@@ -67,11 +70,30 @@ def _forward_bytes(model, tokens, device) -> tuple:
         loss = _loss(model, tokens)
         torch.cuda.synchronize()
         return loss, torch.cuda.memory_allocated() - before
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _Allocations() as allocations:
         loss = _loss(model, tokens)
-    return loss, sum(e.self_cpu_memory_usage for e in prof.key_averages())
+    return loss, allocations.held()
+
+
+class _Allocations(TorchDispatchMode):
+    """Every storage an op makes during the forward (DTensor ops as their local ops), held weakly: after the
+    forward, the bytes of those still alive are what the forward left for the backward (and the logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if type(t) is torch.Tensor and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.storages.setdefault(storage.data_ptr(), (weakref.ref(storage), storage.nbytes()))
+        return out
+
+    def held(self) -> int:
+        gc.collect()
+        return sum(nbytes for ref, nbytes in self.storages.values() if ref() is not None)
 
 
 def _step(model, tokens, device) -> tuple:
