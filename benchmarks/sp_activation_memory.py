@@ -12,7 +12,9 @@ per tp rank:
 Per rank: the bytes a forward leaves allocated (what the backward will read: activations plus the logits), the
 peak of a whole step over the allocation before it (GPU only), the step time as alternating pairs against the
 torch variant (GPU only: K rounds, each round one step of every variant in turn; the median of the per-round
-ratios and their range), and the losses (shardnorm variants bitwise equal, torch within bf16 rounding).
+ratios and their range), the losses (shardnorm variants bitwise equal, torch within bf16 rounding), and the norm
+weights' grads after the tp reduction against one fp32 process (torch reduces `Partial` grads in the params' dtype;
+shardnorm's reducer sums fp32 partials).
 Bytes on the CPU: every storage an op made during the forward, weakly held, counted if still alive after it (a
 dispatch mode: the norms take their custom-op route there); on a GPU: `torch.cuda.memory_allocated`.
 
@@ -53,7 +55,38 @@ def _build(variant: str, args, mesh, device):
     norm = "torch" if variant == "torch" else "shardnorm"
     model = build_model(cfg, norm, device, seed=0).to(getattr(torch, args.dtype))
     apply_tensor_parallel(model, mesh, norm)
+    if norm == "shardnorm":  # the norm grads' tp reduction: one fp32 all-reduce per bucket, as in the main job
+        from shardnorm.distributed import attach_reducer
+
+        attach_reducer(model)
     return model
+
+
+def _norm_grad_errors(models: dict, args, tokens, device) -> dict:
+    """Per variant: the norm weights' grads (after the tp reduction, in the params' dtype) against one process
+    running the model unsharded in fp32: max over norms of the relative error (norm of the difference over the
+    norm of the reference)."""
+    from torch.distributed.tensor import DTensor
+
+    from parallel.config import ModelConfig
+    from parallel.model import build_model
+
+    cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.heads,
+                      ffn_dim=args.ffn, max_seq_len=args.seq)
+    ref = build_model(cfg, "torch", device, seed=0)
+    _loss(ref, tokens).backward()
+    ref_grads = {n: p.grad.double() for n, p in ref.named_parameters() if "norm" in n}
+    errors = {}
+    for v, model in models.items():
+        model.zero_grad(set_to_none=True)
+        _loss(model, tokens).backward()
+        worst = 0.0
+        for n, p in model.named_parameters():
+            if n in ref_grads:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                worst = max(worst, ((g.double() - ref_grads[n]).norm() / ref_grads[n].norm()).item())
+        errors[v] = worst
+    return errors
 
 
 def _loss(model, tokens):
@@ -137,6 +170,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
                 row["forward_bytes"].append(forward_bytes)
                 row["peak_bytes"].append(peak)
                 row["seconds"].append(seconds)
+    rows["norm_grad_rel_error"] = _norm_grad_errors(models, args, tokens, device)
     if rank == 0:
         queue.put(rows)
     dist.barrier()
@@ -144,6 +178,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def _summary(tp: int, rows: dict, args) -> dict:
+    errors = rows.pop("norm_grad_rel_error")
     torch_steps = rows["torch"]["seconds"]
     gathered_per_norm = args.batch * args.seq * args.dim * torch.finfo(getattr(torch, args.dtype)).bits // 8
     norms = 2 * args.layers + 1
@@ -156,7 +191,7 @@ def _summary(tp: int, rows: dict, args) -> dict:
             peak_mib=statistics.median(row["peak_bytes"]) / MIB if args.device == "cuda" else None,
             step_ms=statistics.median(row["seconds"]) * 1e3,
             step_ratio_vs_torch_median=statistics.median(ratios), step_ratio_range=[min(ratios), max(ratios)],
-            pair_ratios=ratios, losses=row["losses"])
+            pair_ratios=ratios, losses=row["losses"], norm_grad_rel_error_vs_fp32=errors[v])
     base = out["variants"]["shardnorm"]
     out["saved_mib_recompute_vs_shardnorm"] = base["forward_mib"] - out["variants"]["shardnorm_recompute"]["forward_mib"]
     out["saved_mib_recompute_vs_torch"] = (out["variants"]["torch"]["forward_mib"]
@@ -206,15 +241,16 @@ def main() -> None:
 
 
 def _write_markdown(results: list, args) -> None:
-    lines = ["| tp | variant | forward MiB / rank | saved vs torch | peak MiB | step ms | step / torch (median, range) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| tp | variant | forward MiB / rank | saved vs torch | peak MiB | step ms | step / torch (median, range) "
+             "| norm-grad rel. error vs fp32 |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = r["variants"]["torch"]["forward_mib"]
         for v, row in r["variants"].items():
             peak = f"{row['peak_mib']:.0f}" if row["peak_mib"] is not None else "-"
             lo, hi = row["step_ratio_range"]
             lines.append(f"| {r['tp']} | {v} | {row['forward_mib']:.2f} | {base - row['forward_mib']:.2f} | {peak} | "
-                         f"{row['step_ms']:.1f} | {row['step_ratio_vs_torch_median']:.3f} ({lo:.3f}-{hi:.3f}) |")
+                         f"{row['step_ms']:.1f} | {row['step_ratio_vs_torch_median']:.3f} ({lo:.3f}-{hi:.3f}) | "
+                         f"{row['norm_grad_rel_error_vs_fp32']:.2e} |")
     lines.append("")
     lines.append(f"Gathered norm output per norm: {results[0]['gathered_mib_per_norm']:.2f} MiB; "
                  f"{results[0]['norms']} norms. Shardnorm variants' losses bitwise equal: "

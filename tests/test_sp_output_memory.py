@@ -137,3 +137,53 @@ def test_gathered_output_recomputed_bitwise(residual_form):
     from spawn_ranks import spawn
 
     spawn(_sharded_steps, 2, residual_form, 1234)
+
+
+def _compiled_steps(rank, world_size, seed):
+    """Layers compiled (fullgraph): with keep_output=False the norm and its all-gather are traced in selective
+    checkpoints that recompute them, so the compiled graphs save neither the gathered outputs nor the local
+    ones; the grads are the option off's."""
+    from spawn_ranks import rank_device
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from shardnorm.distributed import SequenceParallelNorm
+
+    device = rank_device(rank)
+    mesh = init_device_mesh(device.type, (world_size,))
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(BATCH, SEQ, H, generator=g).to(device)
+    results = {}
+    for keep in (True, False):
+        torch._dynamo.reset()
+        model = _build(keep, False, device)
+        for layer in model.layers:
+            parallelize_module(layer, mesh, sp_plan(SequenceParallelNorm(output_layouts=Replicate())))
+            layer.compile(backend="aot_eager_decomp_partition", fullgraph=True)
+        x = DTensor.from_local(x_full.chunk(world_size, dim=1)[rank].clone(), mesh, (Shard(1),))
+        x.requires_grad_()
+        saved = {}
+
+        def pack(t):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            saved[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+        out.to_local().square().sum().backward()
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        results[keep] = grads, x.grad.to_local().clone(), sum(saved.values())
+    (grads_on, dx_on, bytes_on), (grads_off, dx_off, bytes_off) = results[True], results[False]
+    for a, b in zip(grads_on + [dx_on], grads_off + [dx_off]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    gathered, stats = BATCH * SEQ * H * 4, BATCH * SEQ * 4  # fp32 [B, S, H]; at most one fp32 per token more
+    assert bytes_on - bytes_off >= 4 * (gathered - stats), (bytes_on, bytes_off, gathered)
+
+
+@pytest.mark.distributed
+def test_compiled_layers_recompute_the_gather():
+    from spawn_ranks import spawn
+
+    spawn(_compiled_steps, 2, 99)

@@ -66,6 +66,17 @@ def compiled_norm(norm, x: Tensor, *args):
     return checkpoint(norm, x, *args, use_reentrant=False, context_fn=_recompute_norm_contexts)
 
 
+def compiled_transform(transform, y: Tensor):
+    """`transform(y)` (a norm output's redistribution, the SP all-gather) while Dynamo traces a norm with
+    keep_output=False: inside a selective checkpoint that recomputes every op of it, so the partitioner saves
+    neither the gathered output nor y (itself recomputed by `compiled_norm`) and the backward graph gathers again."""
+    return checkpoint(transform, y, use_reentrant=False, context_fn=_recompute_all_contexts)
+
+
+def _recompute_all_contexts():
+    return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE)
+
+
 def _recompute_norm_policy(ctx, op, *args, **kwargs):
     if op is torch.ops.shardnorm.norm_fwd.default:
         return CheckpointPolicy.MUST_RECOMPUTE

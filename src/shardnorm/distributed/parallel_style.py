@@ -85,11 +85,11 @@ class SequenceParallelNorm(ParallelStyle):
 
     def _prepare_outputs(self, module, args, outputs):
         if isinstance(outputs, tuple):  # (y, z): the residual stream z stays sharded
-            return (self._prepare_output(outputs[0], self.output_layouts),
-                    self._prepare_output(outputs[1], self.sequence_sharding))
-        return self._prepare_output(outputs, self.output_layouts)
+            return (self._prepare_output(module, outputs[0], self.output_layouts),
+                    self._prepare_output(module, outputs[1], self.sequence_sharding))
+        return self._prepare_output(module, outputs, self.output_layouts)
 
-    def _prepare_output(self, y: DTensor, placements: tuple):
+    def _prepare_output(self, module, y: DTensor, placements: tuple):
         if tuple(y.placements) == placements and not self.use_local_output:
             return y
 
@@ -97,6 +97,10 @@ class SequenceParallelNorm(ParallelStyle):
             t = t.redistribute(placements=placements) if tuple(t.placements) != placements else t
             return t.to_local() if self.use_local_output else t
 
+        if torch.compiler.is_compiling():
+            if getattr(module, "keep_output", True) or self.use_local_output:
+                return transform(y)
+            return output_recompute.compiled_transform(transform, y)
         out = transform(y)
         output_recompute.derive(out, y, transform)  # keep_output=False: saves of out recompute y, then transform
         return out
