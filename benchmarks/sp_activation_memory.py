@@ -48,13 +48,15 @@ MIB = 2 ** 20
 def _build(variant: str, args, mesh, device):
     from parallel.config import ModelConfig
     from parallel.model import build_model
-    from parallel.parallelize import apply_tensor_parallel
+    from parallel.parallelize import apply_compile, apply_tensor_parallel
 
     cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.heads,
                       ffn_dim=args.ffn, max_seq_len=args.seq, norm_keep_output=variant != "shardnorm_recompute")
     norm = "torch" if variant == "torch" else "shardnorm"
     model = build_model(cfg, norm, device, seed=0).to(getattr(torch, args.dtype))
     apply_tensor_parallel(model, mesh, norm)
+    if args.compile:  # the main job's --compile: each block compiled, fullgraph
+        apply_compile(model)
     if norm == "shardnorm":  # the norm grads' tp reduction: one fp32 all-reduce per bucket, as in the main job
         from shardnorm.distributed import attach_reducer
 
@@ -182,7 +184,7 @@ def _summary(tp: int, rows: dict, args) -> dict:
     torch_steps = rows["torch"]["seconds"]
     gathered_per_norm = args.batch * args.seq * args.dim * torch.finfo(getattr(torch, args.dtype)).bits // 8
     norms = 2 * args.layers + 1
-    out = dict(tp=tp, device=args.device, dtype=args.dtype, gathered_mib_per_norm=gathered_per_norm / MIB,
+    out = dict(tp=tp, device=args.device, dtype=args.dtype, compile=args.compile, gathered_mib_per_norm=gathered_per_norm / MIB,
                norms=norms, variants={})
     for v, row in rows.items():
         ratios = [a / b for a, b in zip(row["seconds"], torch_steps)]
@@ -217,6 +219,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--compile", action="store_true", help="compile each block as the main job's --compile")
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)

@@ -17,8 +17,8 @@ The mechanism is torch's own, `torch.autograd.graph.saved_tensors_hooks`:
   saved-tensors hook: non-reentrant `torch.utils.checkpoint`, `save_on_cpu`), inside a backward (a
   reentrant checkpoint's recompute), under grad-mode off or while Dynamo traces (compiled models take the
   selective checkpoint below).
-- Pack: a tensor whose base is a tracked norm output, unchanged since the norm's forward (version counter),
-  is saved as (handle, view geometry); every other tensor is saved as a detached alias with its version,
+- Pack: a tensor over a tracked norm output's storage (the output, a view or an alias of it), unchanged since
+  the norm's forward (version counter), is saved as (handle, where it lies in that storage); every other tensor is saved as a detached alias with its version,
   which unpack checks as autograd itself would (hooks turn off autograd's own check).
 - Unpack: the first consumer's unpack recomputes the output with the same kernel on the same input (no
   autograd), the others of the same backward share it, and the last drops it.
@@ -195,7 +195,19 @@ def _finished(frame) -> bool:
 
 # ---- the recompute handle ---------------------------------------------------------------------------------------
 
-_ATTR = "_shardnorm_recompute"
+_ATTR = "_shardnorm_recompute"  # a tracked DTensor output's handle (a DTensor has no storage of its own)
+# A tracked plain output's handle, by its storage: consumers may save an alias that is no view of it (a framework's
+# module-output hook that returns `y.detach()`, as ZeRO-3's does), and the entry goes with the storage.
+_by_storage: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _handle_of(t: Tensor) -> Optional["_Recompute"]:
+    if _torch_compat.is_dtensor(t):
+        return getattr(_torch_compat.view_base(t), _ATTR, None)
+    try:
+        return _by_storage.get(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return None
 
 
 class _Recompute:
@@ -229,13 +241,17 @@ def _track(out: Tensor, make: Callable[[], Tensor]) -> None:
             return
     elif not base.is_contiguous() or base.storage_offset() != 0:
         return
-    setattr(base, _ATTR, _Recompute(make, _torch_compat.tensor_version(base)))
+    handle = _Recompute(make, _torch_compat.tensor_version(base))
+    if _torch_compat.is_dtensor(base):
+        setattr(base, _ATTR, handle)
+    else:
+        _by_storage[base.untyped_storage()] = handle
     _counts["tracked"] += 1
 
 
 def recompute_of(t: Tensor) -> Optional[Callable[[], Tensor]]:
     """What remakes `t`'s base (a tracked output's), or None."""
-    handle = getattr(_torch_compat.view_base(t), _ATTR, None)
+    handle = _handle_of(t)
     return None if handle is None else handle.make
 
 
@@ -281,11 +297,10 @@ class _Saved:
 
 
 def _pack(t: Tensor):
-    base = _torch_compat.view_base(t)
-    handle = getattr(base, _ATTR, None)
+    handle = _handle_of(t)
     if handle is not None and _torch_compat.tensor_version(t) == handle.version:
         _counts["saved_as_handle"] += 1
-        return _Saved(handle, t, base)
+        return _Saved(handle, t, _torch_compat.view_base(t))
     # A detached alias: the tensor itself would tie an op's saved output to its own grad_fn (a reference cycle
     # autograd cannot break). It shares t's version counter, checked at unpack as autograd checks it.
     return t.detach(), _torch_compat.tensor_version(t)
@@ -378,7 +393,8 @@ class _Remake:
         return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
 
 
-_pending_checks = threading.local()
+_pending_checks: dict = {}  # graph task id -> [(flag, name)]: the device flags of one backward's recomputes
+_pending_lock = threading.Lock()  # a backward's nodes run on device threads; its end callback on another
 
 
 def _check_statistics(remake: _Remake, stats: tuple) -> None:
@@ -389,26 +405,28 @@ def _check_statistics(remake: _Remake, stats: tuple) -> None:
     if not flags:
         return
     flag = flags[0] if len(flags) == 1 else flags[0] | flags[1]
-    if flag.device.type == "cpu" or _torch_compat.current_graph_task_id() == -1:
+    task = _torch_compat.current_graph_task_id()
+    if flag.device.type == "cpu" or task == -1:
         if flag.item():
-            raise _changed_input(remake)
+            raise _changed_input(remake.name())
         return
-    pending = getattr(_pending_checks, "items", None)
-    if pending is None:
-        pending = _pending_checks.items = []
-        _torch_compat.queue_backward_callback(_check_pending)
-    pending.append((flag, remake.name()))
+    with _pending_lock:
+        pending = _pending_checks.get(task)
+        if pending is None:
+            pending = _pending_checks[task] = []
+            _torch_compat.queue_backward_callback(lambda: _check_pending(task))
+        pending.append((flag, remake.name()))
 
 
-def _check_pending() -> None:
-    pending, _pending_checks.items = _pending_checks.items, None
+def _check_pending(task: int) -> None:
+    with _pending_lock:
+        pending = _pending_checks.pop(task, [])
     for flag, name in pending:
         if flag.item():
             raise _changed_input(name)
 
 
-def _changed_input(remake) -> KeepOutputError:
-    name = remake if isinstance(remake, str) else remake.name()
+def _changed_input(name: str) -> KeepOutputError:
     return KeepOutputError(f"{name}: the norm's input changed after the forward without a version-counter bump "
                            "(written through `.data` or a detached alias); its output cannot be recomputed. "
                            "Keep this norm's output (keep_output=True) or do not write to its input.")
