@@ -12,7 +12,8 @@ variant, then step i + 1), >= 30 per variant, medians reported:
 - after_forward_mib: memory_allocated after the forward minus before it: what the forward keeps for backward.
 - step_ms: CUDA events around forward + backward; step vs shardnorm: the median over steps of this variant's step
   time over shardnorm's in the same round (paired, so drift of the shared machine cancels).
-- released_mib / recomputed: what `shardnorm.output_recompute` released and recomputed in the step (its counters).
+- handles / recomputed: consumer saves that took `shardnorm.output_recompute`'s handle, and its recomputes, in the
+  step (its counters).
 
 Expected saving from keep_output=False: 2 norms a layer x tokens x hidden x 2 bytes (128 MiB a layer at the
 defaults) in after_forward_mib; the peak drops by less where it falls in a layer's backward (that layer's norm
@@ -190,7 +191,7 @@ def run(args) -> dict:
                     output_recompute.counters(reset=True)
                     sample = timed(step, params, device)
                     counts = output_recompute.counters()
-                    sample["released_mib"] = counts["released_bytes"] / MIB
+                    sample["handles"] = counts["saved_as_handle"]
                     sample["recomputed"] = counts["recomputed"]
                     samples[name].append(sample)
         kept_ms = [s["ms"] for s in samples["shardnorm"]]
@@ -199,7 +200,7 @@ def run(args) -> dict:
             # step i of this variant over step i of shardnorm's (run next to each other): drift cancels
             ratios = [s["ms"] / k for s, k in zip(samples[name], kept_ms)]
             row["ms_vs_shardnorm"] = statistics.median(ratios) if ratios and len(ratios) == len(kept_ms) else None
-            for key in ("ms", "peak_mib", "after_forward_mib", "released_mib", "recomputed"):
+            for key in ("ms", "peak_mib", "after_forward_mib", "handles", "recomputed"):
                 values = [s[key] for s in samples[name]]
                 row[key] = statistics.median(values) if values else None
                 row[f"{key}_all"] = values
@@ -222,7 +223,7 @@ def markdown(result: dict) -> str:
              f"vs shardnorm: bitwise equal {result['bitwise_equal']} (shardnorm vs itself: "
              f"{result['deterministic']}).", "",
              "| mode | variant | step ms | step vs shardnorm | peak MiB | kept after forward MiB | "
-             "vs shardnorm: peak / after forward MiB | released MiB / recomputed per step |",
+             "vs shardnorm: peak / after forward MiB | handles / recomputed per step |",
              "|---|---|---|---|---|---|---|---|"]
     by = {(r["mode"], r["variant"]): r for r in result["rows"]}
     for r in result["rows"]:
@@ -234,7 +235,7 @@ def markdown(result: dict) -> str:
             if ref and not ref["error"] and r["peak_mib"] == r["peak_mib"] else ""
         ratio = f"{r['ms_vs_shardnorm'] - 1:+.2%}" if r.get("ms_vs_shardnorm") else ""
         lines.append(f"| {r['mode']} | {r['variant']} | {r['ms']:.1f} | {ratio} | {r['peak_mib']:.0f} | "
-                     f"{r['after_forward_mib']:.0f} | {delta} | {r['released_mib']:.2f} / {r['recomputed']:.0f} |")
+                     f"{r['after_forward_mib']:.0f} | {delta} | {r['handles']:.0f} / {r['recomputed']:.0f} |")
     return "\n".join(lines + [""] + result["notes"]) + "\n"
 
 
