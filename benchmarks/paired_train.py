@@ -171,6 +171,8 @@ def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, ru
         except RunFailed as e:
             return done, str(e)
         done.append(pair)
+        if meta is not None:
+            meta.setdefault("device", pair["a"].get("device"))
         ratio = pair["b"]["step_time_s"] / pair["a"]["step_time_s"]
         print(f"pair {k}/{pairs}: A {pair['a']['step_time_s'] * 1e3:.1f} ms, B {pair['b']['step_time_s'] * 1e3:.1f} ms,"
               f" B/A {ratio:.3f}", flush=True)
@@ -198,11 +200,9 @@ def main(argv=None) -> int:
     a, b, common = shlex.split(args.a), shlex.split(args.b), shlex.split(args.common)
     out = Path(args.out).resolve()
     meta = {"config": args.config, "a": args.a, "b": args.b, "common": args.common, "nproc": args.nproc,
-            "pairs_asked": args.pairs, "command": shlex.join([sys.executable, *sys.argv] if argv is None
-                                                             else ["benchmarks/paired_train.py", *argv])}
+            "pairs_asked": args.pairs,
+            "command": shlex.join(["python", "benchmarks/paired_train.py", *(sys.argv[1:] if argv is None else argv)])}
     pairs, error = run_pairs(args.config, a, b, args.pairs, out, meta=meta, common=common, nproc=args.nproc)
-    if pairs:
-        meta["device"] = pairs[0]["a"].get("device")
     summary = write(out, meta, pairs, error)
     if error:
         print(f"error: {error}", file=sys.stderr)
