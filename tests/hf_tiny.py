@@ -76,8 +76,8 @@ def randomize_norms(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for m in model.modules():
             if lookup(m) is not None or "norm" in type(m).__name__.lower():
-                for p in m.parameters(recurse=False):
-                    p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+                for p in m.parameters(recurse=False):  # drawn on the CPU: the same values whatever p's device
+                    p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
 
 
 def batch(model, seed: int, rows: int = 2, seq: int = 8) -> dict:

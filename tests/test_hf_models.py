@@ -254,8 +254,10 @@ def _dtensor_body(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    norm = torch.nn.RMSNorm(HIDDEN)
-    mesh = init_device_mesh("cpu", (world_size,))
+    from spawn_ranks import DEVICE, rank_device
+
+    norm = torch.nn.RMSNorm(HIDDEN, device=rank_device(rank))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     norm.weight = torch.nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, [Replicate()]))
     assert any("DTensor parameter 'weight'" in w for w in wrappers_of(norm))
     with pytest.raises(NormWrapperError, match=r"blocks\.0 \(RMSNorm\).*DTensor"):

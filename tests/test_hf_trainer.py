@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spawn_ranks import spawn
+from spawn_ranks import DEVICE, spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,5 +177,6 @@ def _runs_body(rank, world, root):
 
 
 @pytest.mark.distributed
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU runs by design: Trainer with use_cpu on gloo")
 def test_trainer_deepspeed_section_and_fsdp(tmp_path):
     spawn(_runs_body, 2, str(tmp_path))

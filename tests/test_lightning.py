@@ -7,7 +7,7 @@ pytest.importorskip("lightning")
 
 from conftest import rel_err  # noqa: E402
 from fsdp_harness import CFG, make_model, token_batches  # noqa: E402
-from spawn_ranks import spawn  # noqa: E402
+from spawn_ranks import DEVICE, rank_device, spawn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from parallel.engines import cross_entropy  # noqa: E402
@@ -31,9 +31,10 @@ def _fabric_body(rank, world_size, seed, dp, tp):
 
     tp_plan = (lambda model, mesh: apply_tensor_parallel(model, mesh, "shardnorm")) if tp > 1 else None
     strategy = sn_lightning.strategy(tp_plan, data_parallel_size=dp, tensor_parallel_size=tp, block_classes=(Block,))
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    device = rank_device(rank)
+    fabric = Fabric(accelerator=DEVICE, devices=world_size, strategy=strategy)
     fabric.launch()
-    model = fabric.setup_module(make_model(seed, torch.device("cpu"), norm="torch"))
+    model = fabric.setup_module(make_model(seed, device, norm="torch"))
     inner = model.module
     assert sum(type(m).__module__.startswith("shardnorm") for m in inner.modules()) == 2 * CFG.n_layers + 1
     step = token_batches(seed, dp, steps=1)[0]
@@ -45,7 +46,7 @@ def _fabric_body(rank, world_size, seed, dp, tp):
         with fabric.no_backward_sync(model, enabled=not last):
             if reducer is not None:
                 assert reducer.accumulating == (not last)  # Fabric's no-sync entered shardnorm.accumulate
-            fabric.backward(cross_entropy(model(x[rows]), y[rows]) / len(step))
+            fabric.backward(cross_entropy(model(x[rows].to(device)), y[rows].to(device)) / len(step))
     if tp > 1:
         assert reducer is not None and reducer.collectives == 1  # one fp32 tp all-reduce for the step
     reference = _reference_grads(seed, step)
@@ -58,8 +59,8 @@ def _fabric_body(rank, world_size, seed, dp, tp):
 @pytest.mark.distributed
 @pytest.mark.parametrize("dp,tp", [(1, 2)])  # dp=2 alone also passes (~30 s more); shard_model at dp=2: test_fsdp
 def test_fabric_model_parallel_accumulation_matches_one_process(dp, tp):
-    """Fabric ModelParallelStrategy (gloo, 2 ranks), 2 micro-batches under fabric.no_backward_sync:
-    every grad equals the single-process grad of the same global batch."""
+    """Fabric ModelParallelStrategy (2 ranks: gloo, or NCCL with SHARDNORM_TEST_DEVICE=cuda), 2 micro-batches
+    under fabric.no_backward_sync: every grad equals the single-process grad of the same global batch."""
     spawn(_fabric_body, dp * tp, 1234, dp, tp)
 
 

@@ -246,3 +246,29 @@ def test_innermost_functorch_transform_names_the_running_transform():
     torch.func.grad(probe)(torch.randn(3))
     torch.func.jvp(probe, (torch.randn(3),), (torch.randn(3),))
     assert seen == ["Vmap", "Grad", "Jvp"]
+
+
+def _dtensor_spec_and_wrap(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    local = torch.randn(2, 3, 4, device=rank_device(rank))
+    for placements in ((Shard(1),), (Partial(),)):
+        expected = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size((2, 3 * world_size, 4)),
+                                      stride=(12 * world_size, 4, 1))
+        spec = compat.dtensor_spec(mesh, placements, expected.shape, expected.stride(), local.dtype)
+        wrapped = compat.dtensor_with_spec(local, spec)
+        assert type(wrapped) is DTensor and wrapped.placements == expected.placements \
+            and wrapped.shape == expected.shape and wrapped.stride() == expected.stride() \
+            and wrapped.device_mesh == mesh and not wrapped.requires_grad, _gone(
+                f"DTensorSpec / TensorMeta / DTensor(local, spec) ({wrapped.placements}, {wrapped.shape})")
+        assert compat.dtensor_local(wrapped) is local, _gone("DTensor._local_tensor")
+        with torch.no_grad():
+            assert expected.to_local() is compat.dtensor_local(expected), _gone("DTensor._local_tensor")
+
+
+@pytest.mark.distributed
+def test_dtensor_spec_wraps_a_local_tensor_like_from_local():
+    """dtensor_with_spec(local, dtensor_spec(...)) is the DTensor from_local builds, over the same local tensor."""
+    spawn(_dtensor_spec_and_wrap, 2)

@@ -7,12 +7,16 @@ a cross-rank all-reduce of per-row sums. In no case is the activation gathered.
 """
 
 import torch
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
-from shardnorm import ops
+from shardnorm import _torch_compat, ops
 from shardnorm.distributed.grad_routing import route_to_reducer
 from shardnorm.distributed.hidden_sharded import HiddenShardedNorm
 from shardnorm.distributed.layout import NormLayout, global_normalized_numel, norm_layout
+from shardnorm.distributed.token_sharded import TokenShardedNorm, routing
+from shardnorm.rows import as_rows
+
+_token_sharded_norm = _torch_compat.function_apply(TokenShardedNorm)
 
 
 def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero_centered: bool,
@@ -21,6 +25,10 @@ def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero
     (y, x + residual or None) as DTensors like x. Shapes, dtypes and eps were checked by the caller
     (`shardnorm.functional`); this checks placements."""
     layout = norm_layout(x, weight, bias, residual, normalized_shape)
+    if layout.hidden_mesh_dim is None and _one_node_ok(x, weight, bias, residual):
+        n = global_normalized_numel(x, layout)
+        return _token_sharded_norm(x, weight, bias, residual, eps, rms, zero_centered, layout, n,
+                                   routing(weight, bias, layout))[:2]
     x_local = x.to_local()
     x2d = _rows(x_local, layout)
     r2d = _rows(residual.to_local(), layout) if residual is not None else None
@@ -42,18 +50,26 @@ def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero
     return as_dtensor(y), (as_dtensor(z) if z is not None else None)
 
 
+def _one_node_ok(x, weight, bias, residual) -> bool:
+    """Whether `TokenShardedNorm` may run the call: eager (not traced, no dispatch mode, which must see the ops)
+    on local tensors the kernels can read."""
+    if torch.compiler.is_compiling() or _torch_compat.dispatch_modes_active():
+        return False
+    local = _torch_compat.dtensor_local
+    return ops._eager_ok(local(x), local(residual) if residual is not None else None,
+                         local(weight) if isinstance(weight, DTensor) else weight,
+                         local(bias) if isinstance(bias, DTensor) else bias)
+
+
 def _rows(t: torch.Tensor, layout: NormLayout) -> torch.Tensor:
-    """[M, N_local] view (or copy) of a local shard, last dim contiguous as the op requires."""
-    t2d = t.reshape(-1, t.shape[t.dim() - layout.normalized_ndim:].numel())
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+    """[M, N_local] rows of a local shard, last dim contiguous as the op requires."""
+    return as_rows(t, t.shape[t.dim() - layout.normalized_ndim:].numel())
 
 
 def _local_params(weight, bias, layout: NormLayout):
     """This rank's weight/bias. Their grads are partial sums over the token mesh dims: routed to the
     reducer when one is bound (single token mesh dim), else returned to autograd as `Partial`."""
-    grad_placements = tuple(Partial() if d in layout.token_mesh_dims else p
-                            for d, p in enumerate(layout.param_placements))
-    local = tuple(p.to_local(grad_placements=grad_placements) if isinstance(p, DTensor) else p
+    local = tuple(p.to_local(grad_placements=layout.grad_placements) if isinstance(p, DTensor) else p
                   for p in (weight, bias))
     if len(layout.token_mesh_dims) != 1:
         return local

@@ -9,33 +9,53 @@ A norm normalizes over its trailing dims. Every mesh dim of the input is one of:
 Anything else (``Partial``, strided shards) is rejected by name.
 """
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 
 @dataclass(frozen=True)
 class NormLayout:
     mesh: DeviceMesh
+    placements: tuple[Placement, ...]  # x's
     normalized_ndim: int
     token_mesh_dims: tuple[int, ...]  # weight/bias grads are partial sums over these mesh dims
     hidden_mesh_dim: int | None  # statistics are all-reduced over this mesh dim
     param_placements: tuple[Placement, ...]  # what weight/bias must be on the mesh
+    grad_placements: tuple[Placement, ...]  # their grads' placements: Partial over the token mesh dims
+    # DTensorSpecs of the inputs' and grads' layouts by (kind, shape, stride, dtype): `token_sharded._spec`
+    specs: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def norm_layout(x: DTensor, weight, bias, residual, normalized_shape: tuple) -> NormLayout:
     """Classify x's placements and check that weight, bias and residual agree with them (their
     shapes were checked against `normalized_shape` by `shardnorm.functional`)."""
-    normalized_ndim = len(normalized_shape)
-    first_normalized = x.dim() - normalized_ndim
+    layout = _classify(x.device_mesh, tuple(x.placements), x.dim(), len(normalized_shape))
+    for name, p in (("weight", weight), ("bias", bias)):
+        _check_param(name, p, x, layout)
+    if residual is not None:
+        if not isinstance(residual, DTensor) or residual.device_mesh != x.device_mesh \
+                or tuple(residual.placements) != tuple(x.placements):
+            got = tuple(residual.placements) if isinstance(residual, DTensor) else "a plain torch.Tensor"
+            raise ValueError(f"shardnorm: residual must be a DTensor on x's mesh with x's placements "
+                             f"{tuple(x.placements)}, got {got}")
+    return layout
+
+
+@functools.lru_cache(maxsize=256)
+def _classify(mesh: DeviceMesh, placements: tuple, ndim: int, normalized_ndim: int) -> NormLayout:
+    """The layout of every input with these placements: a model's norms share a few (cached: every eager norm
+    call asks)."""
+    first_normalized = ndim - normalized_ndim
     token_dims, hidden_dims, param_placements = [], [], []
-    for mesh_dim, p in enumerate(x.placements):
+    for mesh_dim, p in enumerate(placements):
         if isinstance(p, Replicate):
             param_placements.append(Replicate())
         elif p.is_shard() and getattr(p, "split_factor", 1) == 1:  # not a _StridedShard
-            dim = p.dim % x.dim()
+            dim = p.dim % ndim
             if dim < first_normalized:
                 token_dims.append(mesh_dim)
                 param_placements.append(Replicate())
@@ -51,19 +71,12 @@ def norm_layout(x: DTensor, weight, bias, residual, normalized_shape: tuple) -> 
     if len(hidden_dims) > 1:
         raise NotImplementedError(
             f"shardnorm: x is sharded on its normalized dims over mesh dims {hidden_dims} "
-            f"(placements {tuple(x.placements)}); at most one mesh dim may shard the normalized dims."
+            f"(placements {placements}); at most one mesh dim may shard the normalized dims."
         )
-    layout = NormLayout(x.device_mesh, normalized_ndim, tuple(token_dims),
-                        hidden_dims[0] if hidden_dims else None, tuple(param_placements))
-    for name, p in (("weight", weight), ("bias", bias)):
-        _check_param(name, p, x, layout)
-    if residual is not None:
-        if not isinstance(residual, DTensor) or residual.device_mesh != x.device_mesh \
-                or tuple(residual.placements) != tuple(x.placements):
-            got = tuple(residual.placements) if isinstance(residual, DTensor) else "a plain torch.Tensor"
-            raise ValueError(f"shardnorm: residual must be a DTensor on x's mesh with x's placements "
-                             f"{tuple(x.placements)}, got {got}")
-    return layout
+    token_dims = tuple(token_dims)
+    grad_placements = tuple(Partial() if d in token_dims else p for d, p in enumerate(param_placements))
+    return NormLayout(mesh, placements, normalized_ndim, token_dims, hidden_dims[0] if hidden_dims else None,
+                      tuple(param_placements), grad_placements)
 
 
 def _check_param(name: str, p, x: DTensor, layout: NormLayout) -> None:

@@ -1,0 +1,216 @@
+"""Paired runs of the main job: variants A and B of one config, alternately on the same machine, K pairs.
+
+    python benchmarks/paired_train.py CONFIG --a "--norm torch" --b "--norm shardnorm" --pairs 5 --out DIR
+        [--nproc 2] [--common "train.steps=30 train.timing_skip=10"]
+
+Each run is `launch/train.sh CONFIG COMMON VARIANT train.out_dir=DIR/runs/pairK-X` (NPROC=--nproc), in the order
+A, B, A, B, ...: the machine's drift over the session falls on both variants. Per run the job's summary.json and
+metrics.jsonl (parallel/metrics.py) give the step time (mean over the timed steps), tokens/s, peak memory and the
+losses. Per pair: the step-time ratio B/A. Over the pairs: the median ratio and its range (min, max), the peak
+memory of each variant, and loss parity (B's loss against A's of the same pair, step by step, relative). Writes
+DIR/paired_train.json, DIR/paired_train.md (with the command) and, where matplotlib is installed,
+DIR/paired_train.png; prints the table. Each run's log is DIR/runs/pairK-X.log. A failed run stops the
+session (exit 1) with what was measured so far written. Speed claims about the main job in README.md and docs
+come from this script's output, quoted with its command.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("a", "b")
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def run_command(config: str, common: list[str], variant: list[str], out_dir: Path) -> list[str]:
+    return ["bash", str(ROOT / "launch" / "train.sh"), config, *common, *variant, f'train.out_dir="{out_dir}"']
+
+
+def read_run(out_dir: Path) -> dict:
+    """The job's summary.json and per-step losses (metrics.jsonl) from its output dir."""
+    summary_path = out_dir / "summary.json"
+    if not summary_path.is_file():
+        raise RunFailed(f"{summary_path} is missing: the run wrote no summary")
+    summary = json.loads(summary_path.read_text())
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"step_time_s": summary["step_time_s"], "tokens_per_s": summary["tokens_per_s"],
+            "peak_mem_gib": summary["peak_mem_gib"], "final_loss": summary["final_loss"],
+            "timed_steps": summary.get("timed_steps"), "device": summary.get("device"),
+            "memory_kind": summary.get("memory_kind"), "losses": [r["loss"] for r in records]}
+
+
+def launch(config: str, common: list[str], variant: list[str], out_dir: Path, nproc: int | None) -> dict:
+    """Run the main job once; its parsed result, with the wall time of the whole run."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = run_command(config, common, variant, out_dir)
+    env = dict(os.environ, **({"NPROC": str(nproc)} if nproc else {}))
+    start = time.perf_counter()
+    with open(f"{out_dir}.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RunFailed(f"{shlex.join(cmd)} exited with {rc}; see {out_dir}.log")
+    return {**read_run(out_dir), "wall_s": time.perf_counter() - start}
+
+
+def loss_parity(a: list[float], b: list[float]) -> dict:
+    """B's losses against A's, step by step: max and final relative difference |b - a| / |a|."""
+    steps = min(len(a), len(b))
+    rel = [abs(y - x) / abs(x) if x else abs(y - x) for x, y in zip(a[:steps], b[:steps])]
+    return {"steps": steps, "max_rel_diff": max(rel) if rel else float("nan"),
+            "final_rel_diff": rel[-1] if rel else float("nan")}
+
+
+def summarize(pairs: list[dict]) -> dict:
+    """Per-pair ratios B/A of the step time, their median and range; memory and loss parity over the pairs."""
+    ratios = [p["b"]["step_time_s"] / p["a"]["step_time_s"] for p in pairs]
+    parity = [loss_parity(p["a"]["losses"], p["b"]["losses"]) for p in pairs]
+    out = {"pairs": len(pairs), "ratios": ratios,
+           "median_ratio": statistics.median(ratios) if ratios else float("nan"),
+           "min_ratio": min(ratios, default=float("nan")), "max_ratio": max(ratios, default=float("nan")),
+           "loss_max_rel_diff": max((q["max_rel_diff"] for q in parity), default=float("nan")),
+           "loss_final_rel_diff": max((q["final_rel_diff"] for q in parity), default=float("nan"))}
+    for v in VARIANTS:
+        runs = [p[v] for p in pairs]
+        out[v] = {"median_step_time_s": statistics.median(r["step_time_s"] for r in runs) if runs else float("nan"),
+                  "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs) if runs else float("nan"),
+                  "peak_mem_gib": max((r["peak_mem_gib"] for r in runs), default=float("nan")),
+                  "final_losses": [r["final_loss"] for r in runs]}
+    # a variant's own runs should agree with each other (the job is seeded): how far they spread
+    for v in VARIANTS:
+        finals = out[v]["final_losses"]
+        out[v]["final_loss_spread"] = (max(finals) - min(finals)) / abs(finals[0]) if len(finals) > 1 and finals[0] \
+            else 0.0
+    return out
+
+
+def markdown(meta: dict, pairs: list[dict], summary: dict) -> str:
+    a, b = meta["a"], meta["b"]
+    lines = [f"# Paired main-job runs: {meta['config']}", "",
+             f"A = `{a}`, B = `{b}`, common `{meta['common']}`, {meta['nproc'] or 'default'} processes, "
+             f"run order A, B per pair. Device: {meta.get('device')}.", "",
+             f"Command: `{meta['command']}`", "",
+             "| pair | A step ms | B step ms | B/A | A peak GiB | B peak GiB | A final loss | B final loss |"
+             " loss max rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for i, (p, ratio) in enumerate(zip(pairs, summary["ratios"]), 1):
+        q = loss_parity(p["a"]["losses"], p["b"]["losses"])
+        lines.append(f"| {i} | {p['a']['step_time_s'] * 1e3:.1f} | {p['b']['step_time_s'] * 1e3:.1f} | {ratio:.3f} | "
+                     f"{p['a']['peak_mem_gib']:.2f} | {p['b']['peak_mem_gib']:.2f} | {p['a']['final_loss']:.4f} | "
+                     f"{p['b']['final_loss']:.4f} | {q['max_rel_diff']:.2e} |")
+    lines += ["", f"Step time B/A: median **{summary['median_ratio']:.3f}**, range "
+                  f"[{summary['min_ratio']:.3f}, {summary['max_ratio']:.3f}] over {summary['pairs']} pairs. "
+                  f"Median step: A {summary['a']['median_step_time_s'] * 1e3:.1f} ms, "
+                  f"B {summary['b']['median_step_time_s'] * 1e3:.1f} ms. Peak memory: A "
+                  f"{summary['a']['peak_mem_gib']:.2f} GiB, B {summary['b']['peak_mem_gib']:.2f} GiB.",
+              f"Loss parity (B against A, same pair, every step): max relative difference "
+              f"{summary['loss_max_rel_diff']:.2e}, at the last step {summary['loss_final_rel_diff']:.2e}. "
+              f"Spread of each variant's final loss over its runs: A {summary['a']['final_loss_spread']:.1e}, "
+              f"B {summary['b']['final_loss_spread']:.1e}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, meta: dict, pairs: list[dict], summary: dict) -> bool:
+    """Step time per pair for A and B, and the ratio; False where matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    k = range(1, len(pairs) + 1)
+    for v, style in zip(VARIANTS, ("o-", "s--")):
+        left.plot(k, [p[v]["step_time_s"] * 1e3 for p in pairs], style, label=f"{v.upper()}: {meta[v]}")
+    left.set(xlabel="pair", ylabel="step time (ms)", title=meta["config"])
+    left.legend(fontsize=8)
+    right.plot(k, summary["ratios"], "o-")
+    right.axhline(summary["median_ratio"], ls=":", label=f"median {summary['median_ratio']:.3f}")
+    right.axhline(1.0, color="grey", lw=0.5)
+    right.set(xlabel="pair", ylabel="B / A step time", title="ratio per pair")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write(out: Path, meta: dict, pairs: list[dict], error: str | None = None) -> dict:
+    summary = summarize(pairs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "paired_train.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "pairs": pairs, **({"error": error} if error else {})}, indent=1) + "\n")
+    text = markdown(meta, pairs, summary) + (f"\nStopped early: {error}\n" if error else "")
+    (out / "paired_train.md").write_text(text)
+    if pairs:
+        plot(out / "paired_train.png", meta, pairs, summary)
+    print(text, flush=True)
+    return summary
+
+
+def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, run=None, meta: dict | None = None,
+              common: list[str] = (), nproc: int | None = None) -> tuple[list[dict], str | None]:
+    """K pairs of runs, A then B each; `run(variant_args, out_dir) -> dict` (default: `launch`). Returns the
+    finished pairs and the error that stopped the session, if any."""
+    run = run or (lambda variant, out_dir: launch(config, list(common), variant, out_dir, nproc))
+    done = []
+    for k in range(1, pairs + 1):
+        try:
+            pair = {v: run(args, out / "runs" / f"pair{k}-{v.upper()}") for v, args in zip(VARIANTS, (a, b))}
+        except RunFailed as e:
+            return done, str(e)
+        done.append(pair)
+        if meta is not None:
+            meta.setdefault("device", pair["a"].get("device"))
+        ratio = pair["b"]["step_time_s"] / pair["a"]["step_time_s"]
+        print(f"pair {k}/{pairs}: A {pair['a']['step_time_s'] * 1e3:.1f} ms, B {pair['b']['step_time_s'] * 1e3:.1f} ms,"
+              f" B/A {ratio:.3f}", flush=True)
+        if meta is not None:
+            write(out, meta, done)  # results as they come
+    return done, None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("config", help="a main-job config, e.g. configs/llama_small_fsdp_tp.toml")
+    parser.add_argument("--a", required=True, help='variant A\'s main-job arguments, e.g. "--norm torch"')
+    parser.add_argument("--b", required=True, help='variant B\'s main-job arguments, e.g. "--norm shardnorm"')
+    parser.add_argument("--pairs", type=int, default=5, help="pairs of runs (default 5)")
+    parser.add_argument("--nproc", type=int, help="processes per run (NPROC of launch/train.sh; default: its own)")
+    parser.add_argument("--common", default="", help="main-job arguments for both variants, e.g. train.steps=30")
+    parser.add_argument("--out", default=os.environ.get("OUT", "runs/paired"), help="output folder")
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error(f"--pairs must be at least 1, got {args.pairs}")
+    for name in ("a", "b", "common"):
+        if "train.out_dir" in getattr(args, name):
+            parser.error(f"--{name}: train.out_dir is set per run by this script")
+    a, b, common = shlex.split(args.a), shlex.split(args.b), shlex.split(args.common)
+    out = Path(args.out).resolve()
+    meta = {"config": args.config, "a": args.a, "b": args.b, "common": args.common, "nproc": args.nproc,
+            "pairs_asked": args.pairs,
+            "command": shlex.join(["python", "benchmarks/paired_train.py", *(sys.argv[1:] if argv is None else argv)])}
+    pairs, error = run_pairs(args.config, a, b, args.pairs, out, meta=meta, common=common, nproc=args.nproc)
+    summary = write(out, meta, pairs, error)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"B/A median {summary['median_ratio']:.3f} [{summary['min_ratio']:.3f}, {summary['max_ratio']:.3f}], "
+          f"loss max rel diff {summary['loss_max_rel_diff']:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""benchmarks/paired_train.py without launching the job: a fake runner writes what the main job writes
+(summary.json, metrics.jsonl), and the script's parsing, order, statistics and files are checked against them."""
+
+import importlib.util
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("paired_train", ROOT / "benchmarks" / "paired_train.py")
+paired_train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(paired_train)
+
+
+def _fake_job(out_dir: Path, step_time_s: float, peak: float, losses: list[float]) -> None:
+    """What parallel/train.py leaves in its out_dir (metrics.py's files), timed steps 2..n."""
+    out_dir.mkdir(parents=True)
+    records = [{"step": i + 1, "loss": loss, "lr": 1e-3, "tokens": 1024, "tokens_per_s": 1024 / step_time_s,
+                "step_time_s": step_time_s, "peak_mem_gib": peak} for i, loss in enumerate(losses)]
+    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out_dir / "summary.json").write_text(json.dumps({
+        "norm": "x", "steps": len(losses), "timed_steps": len(losses) - 1, "tokens_per_s": 1024 / step_time_s,
+        "step_time_s": step_time_s, "peak_mem_gib": peak, "final_loss": losses[-1], "device": "cpu",
+        "memory_kind": "host rss"}))
+
+
+def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_each_runs_files(tmp_path):
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    k = 5
+    times = {v: [rng.uniform(0.05, 0.2) for _ in range(k)] for v in "ab"}
+    peaks = {"a": rng.uniform(1, 2), "b": rng.uniform(1, 2)}
+    base = [rng.uniform(2, 5) for _ in range(6)]
+    drift = [rng.uniform(-1e-3, 1e-3) for _ in range(6)]
+    order = []
+
+    def run(variant_args, out_dir):
+        v = {("--norm", "torch"): "a", ("--norm", "shardnorm"): "b"}[tuple(variant_args)]
+        i = sum(1 for o in order if o[0] == v)
+        order.append((v, out_dir.name))
+        losses = [x * (1 + d) for x, d in zip(base, drift)] if v == "b" else base
+        _fake_job(out_dir, times[v][i], peaks[v], losses)
+        return paired_train.read_run(out_dir)
+
+    pairs, error = paired_train.run_pairs("cfg.toml", ["--norm", "torch"], ["--norm", "shardnorm"], k, tmp_path,
+                                          run=run)
+    assert error is None, f"seed {seed}"
+    assert order == [(v, f"pair{i}-{v.upper()}") for i in range(1, k + 1) for v in "ab"], f"run order: {order}"
+    meta = {"config": "cfg.toml", "a": "--norm torch", "b": "--norm shardnorm", "common": "", "nproc": 2,
+            "command": "benchmarks/paired_train.py cfg.toml ..."}
+    summary = paired_train.write(tmp_path, meta, pairs)
+    ratios = [b / a for a, b in zip(times["a"], times["b"])]
+    assert summary["ratios"] == pytest.approx(ratios, rel=1e-12), f"seed {seed}"
+    assert summary["median_ratio"] == pytest.approx(statistics.median(ratios), rel=1e-12), f"seed {seed}"
+    assert (summary["min_ratio"], summary["max_ratio"]) == pytest.approx((min(ratios), max(ratios)), rel=1e-12)
+    assert summary["a"]["peak_mem_gib"] == pytest.approx(peaks["a"]) and \
+        summary["b"]["peak_mem_gib"] == pytest.approx(peaks["b"]), f"seed {seed}"
+    assert summary["loss_max_rel_diff"] == pytest.approx(max(abs(d) for d in drift), rel=1e-9), f"seed {seed}"
+    assert summary["loss_final_rel_diff"] == pytest.approx(abs(drift[-1]), rel=1e-9), f"seed {seed}"
+    assert summary["a"]["final_loss_spread"] == 0.0
+    saved = json.loads((tmp_path / "paired_train.json").read_text())
+    assert saved["summary"]["median_ratio"] == pytest.approx(summary["median_ratio"]) and len(saved["pairs"]) == k
+    table = (tmp_path / "paired_train.md").read_text()
+    assert meta["command"] in table and f"{statistics.median(ratios):.3f}" in table
+    assert sum(line.startswith("| ") and line[2].isdigit() for line in table.splitlines()) == k
+
+
+def test_a_failed_run_stops_the_session_and_keeps_the_finished_pairs(tmp_path):
+    calls = []
+
+    def run(variant_args, out_dir):
+        calls.append(out_dir.name)
+        if out_dir.name == "pair2-B":
+            out_dir.mkdir(parents=True)  # the job died before its summary
+            return paired_train.read_run(out_dir)
+        _fake_job(out_dir, 0.1, 1.0, [3.0, 2.0])
+        return paired_train.read_run(out_dir)
+
+    pairs, error = paired_train.run_pairs("cfg.toml", ["--norm", "torch"], ["--norm", "shardnorm"], 3, tmp_path,
+                                          run=run)
+    assert calls == ["pair1-A", "pair1-B", "pair2-A", "pair2-B"]
+    assert len(pairs) == 1 and "summary.json is missing" in error
+
+
+def test_the_command_line_refuses_what_it_sets_itself(capsys):
+    with pytest.raises(SystemExit):
+        paired_train.main(["cfg.toml", "--a", "--norm torch", "--b", "train.out_dir=x", "--pairs", "2"])
+    assert "train.out_dir" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        paired_train.main(["cfg.toml", "--a", "", "--b", "", "--pairs", "0"])
+    assert "--pairs" in capsys.readouterr().err
+
+
+def test_run_command_is_the_launcher_with_common_and_variant_arguments(tmp_path):
+    cmd = paired_train.run_command("configs/tiny_cpu.toml", ["train.steps=4"], ["--norm", "torch"], tmp_path / "r")
+    assert cmd[1].endswith("launch/train.sh") and cmd[2:5] == ["configs/tiny_cpu.toml", "train.steps=4", "--norm"]
+    assert cmd[-1] == f'train.out_dir="{tmp_path / "r"}"'
