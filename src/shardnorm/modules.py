@@ -48,7 +48,7 @@ class _FusedNorm:
             return output_recompute.compiled_norm(self._norm, x, weight, bias)
         y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
         if not self._keep_output:
-            output_recompute.track(self, y, x if z is None else z, weight, bias, F.resolve_eps(self.eps, x.dtype),
+            output_recompute.track(self, y, x if residual is None else z, weight, bias, F.resolve_eps(self.eps, x.dtype),
                                    self._rms, self.zero_centered_gamma, math.prod(self.normalized_shape))
         return y if residual is None else (y, z)
 

@@ -337,13 +337,18 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
         y_local = y
     else:
         return
-    stats = _forward_stats(y_local)
-    if stats is None:
+    state = _forward_state(y, y_local)
+    if state is None:
         return
-    # The parameters as the forward read them, copied (N elements each): FSDP2 and ZeRO-3 free a gathered
-    # parameter after the forward and gather it again only when the backward reaches its own module.
+    kernel_weight, stats = state
+    # The parameters as the kernel read them (an fp32 copy where the grads go to a reducer: the same launch again),
+    # copied (N elements each): FSDP2 and ZeRO-3 free a gathered parameter after the forward and gather it again
+    # only when the backward reaches its own module.
     with torch.no_grad():
         weight, bias = (as_param(p.detach(), n).clone() if p is not None else None for p in (weight, bias))
+        if kernel_weight is not None and weight is not None and kernel_weight.dtype != weight.dtype:
+            weight = weight.to(kernel_weight.dtype)
+            bias = bias.to(kernel_weight.dtype) if bias is not None else None
     remake = _Remake(owner, src, weight, bias, eps, rms, zero_centered, n, y_local.dtype, stats)
     if _torch_compat.is_dtensor(y):
         mesh, placements, shape, stride, local_shape = y.device_mesh, y.placements, y.shape, y.stride(), y_local.shape
@@ -359,13 +364,17 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
         _track(y, remake)
 
 
-def _forward_stats(y_local: Tensor) -> Optional[tuple]:
-    """(mean, rstd) of the norm call that made `y_local`, from its autograd node (the op saves them)."""
-    node = _torch_compat.view_base(y_local).grad_fn
-    if getattr(node, "flags", None) is None:  # not the norm op's own node
+def _forward_state(y: Tensor, y_local: Tensor) -> Optional[tuple]:
+    """(weight as the kernel read it, (mean, rstd)) of the norm call that made y, from its autograd node: the ops'
+    node saves (src, weight, mean, rstd); the token-sharded DTensor node (src, x, weight as read, weight, bias,
+    mean, rstd). None where y's node is neither."""
+    node = y.grad_fn if _torch_compat.is_dtensor(y) else None
+    if getattr(node, "flags", None) is None:
+        node = _torch_compat.view_base(y_local).grad_fn
+    if getattr(node, "flags", None) is None:  # not a norm op's own node
         return None
-    _, _, mean, rstd = node.saved_tensors
-    return mean, rstd
+    saved = node.saved_tensors
+    return saved[1 if len(saved) == 4 else 2], saved[-2:]
 
 
 class _Remake:
