@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardnorm"
 LAYERS = [
     ("shardnorm._torch_compat", 0), ("shardnorm.settings", 0),
     ("shardnorm.kernels", 1), ("shardnorm.reference", 1), ("shardnorm.rows", 1),
-    ("shardnorm.ops", 2), ("shardnorm.compile_fusion", 2),
+    ("shardnorm.ops", 2),
     ("shardnorm.functional", 3), ("shardnorm.modules", 3), ("shardnorm.conversion", 3),
     ("shardnorm.norm_families", 3), ("shardnorm.output_recompute", 3),
     ("shardnorm.distributed", 4), ("shardnorm.fsdp", 4),
@@ -24,8 +24,7 @@ ALLOWED_UPWARD = {("shardnorm.functional", "shardnorm.distributed.dtensor")}
 
 TORCH_INTERNALS = {"_current_graph_task_id", "_execution_engine", "_get_fsdp_state", "_fsdp_param_groups",
                    "_fsdp_param_group", "unsharded_accumulated_grad", "_unsharded_param", "_param_fqn",
-                   "_run_policy", "_module_classes", "_module_classes_to_ignore", "pre_grad_custom_pass",
-                   "post_grad_custom_post_pass", "custom_graph_pass"}
+                   "_run_policy", "_module_classes", "_module_classes_to_ignore"}
 
 
 # private torch names read outside _torch_compat.py, and why each is there: (file under src/shardnorm, name)

@@ -167,41 +167,6 @@ def test_fsdp2_state_internals():
     spawn(_fsdp2_state, 1)
 
 
-@pytest.mark.parametrize("slot", compat.INDUCTOR_PASS_SLOTS)
-def test_inductor_graph_pass_slot_runs_a_custom_graph_pass(slot):
-    """Inductor's custom pass slots still exist, read back what was set, and run a `CustomGraphPass` set there on
-    the graphs Inductor compiles (caches off: a cached graph runs no pass)."""
-    import torch._inductor.config as inductor_config
-
-    assert hasattr(inductor_config, slot), _gone(f"torch._inductor.config.{slot}")
-    assert compat.inductor_loaded()
-    seen = []
-
-    class Marker(compat.inductor_graph_pass_base()):
-        def __call__(self, graph):
-            seen.append(len(graph.nodes))
-
-        def uuid(self):
-            return "marker"
-
-    with inductor_config.patch({"force_disable_caches": True, slot: compat.inductor_graph_pass(slot)}):
-        marker = Marker()
-        compat.set_inductor_graph_pass(slot, marker)
-        assert compat.inductor_graph_pass(slot) is marker
-        torch._dynamo.reset()
-        x = torch.randn(8)
-        assert torch.allclose(torch.compile(lambda t: (t * 2).sin(), fullgraph=True)(x), (x * 2).sin())
-        torch._dynamo.reset()
-    assert seen, _gone(f"torch._inductor.config.{slot} running a CustomGraphPass")
-
-
-def test_inductor_graph_pass_slot_is_checked():
-    with pytest.raises(ValueError, match="slot must be one of"):
-        compat.inductor_graph_pass("post_grad_custom_pre_pas")
-    with pytest.raises(ValueError, match="slot must be one of"):
-        compat.set_inductor_graph_pass("post_grad_custom_pre_pas", None)
-
-
 def test_function_apply_matches_apply_and_defers_to_it_under_functorch():
     """function_apply(cls)(*args) is cls.apply(*args): same output, same grads, same graph node type; under a
     functorch transform it is cls.apply itself (which refuses a Function without setup_context)."""

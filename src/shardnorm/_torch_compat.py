@@ -21,8 +21,6 @@ nn.Module hook dicts (`_forward_pre_hooks`, `_backward_hooks`, ...) and `Tensor.
   to see the hooks a module or parameter carries (conversion refuses to drop them), and to remove the module
   backward hooks a framework installed without handing out their handles (transformers' tensor-parallel
   styles), leaving everyone else's.
-Inductor: `torch._inductor.config.pre_grad_custom_pass` / `post_grad_custom_post_pass` and
-  `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes, set and removed there).
 Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then take the custom op,
   so a mode such as selective activation checkpointing's sees the norm as one op).
 autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls after its Python checks
@@ -175,47 +173,6 @@ def remove_module_backward_hooks(module, installed_by) -> int:
 def has_post_accumulate_grad_hooks(param) -> bool:
     """Whether `register_post_accumulate_grad_hook` put a hook on this parameter."""
     return bool(getattr(param, "_post_accumulate_grad_hooks", None))
-
-
-# ---- Inductor --------------------------------------------------------------------------------------------
-
-INDUCTOR_PRE_GRAD_SLOT = "pre_grad_custom_pass"  # the graph Dynamo hands Inductor (torch-level ops), before autograd
-INDUCTOR_POST_GRAD_SLOT = "post_grad_custom_post_pass"  # forward and backward aten graphs, after Inductor's passes
-INDUCTOR_PASS_SLOTS = (INDUCTOR_PRE_GRAD_SLOT, INDUCTOR_POST_GRAD_SLOT)
-
-
-def inductor_loaded() -> bool:
-    """Whether Inductor's config is imported (importing it costs ~1.3 s; Dynamo imports it before it traces)."""
-    import sys
-
-    return "torch._inductor.config" in sys.modules
-
-
-def inductor_graph_pass_base() -> type:
-    """`CustomGraphPass`: Inductor's base class for a graph pass, `__call__(graph)` plus `uuid()`, the value its
-    caches (the FX graph cache) key on for what the pass does. Imports Inductor."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    return CustomGraphPass
-
-
-def inductor_graph_pass(slot: str):
-    """What Inductor runs at `slot` (one of `INDUCTOR_PASS_SLOTS`): None, a pass, or a list of passes."""
-    return getattr(_inductor_config(slot), slot)
-
-
-def set_inductor_graph_pass(slot: str, graph_pass) -> None:
-    """Set Inductor's pass at `slot`. Torch 2.13 keeps a config value set in code per thread (the calling thread's,
-    handed to the autograd threads its backward runs in)."""
-    setattr(_inductor_config(slot), slot, graph_pass)
-
-
-def _inductor_config(slot: str):
-    if slot not in INDUCTOR_PASS_SLOTS:
-        raise ValueError(f"slot must be one of {INDUCTOR_PASS_SLOTS}, got {slot!r}")
-    import torch._inductor.config as config
-
-    return config
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------------
