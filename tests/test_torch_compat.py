@@ -167,6 +167,39 @@ def test_fsdp2_state_internals():
     spawn(_fsdp2_state, 1)
 
 
+def test_pending_collective_and_block_shard():
+    """A functional collective's pending result is told from plain tensors (and is plain once waited on);
+    `Shard(d)` is a block shard, `_StridedShard` (torch 2.11: a Shard subclass) and Replicate are not."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    pending = AsyncCollectiveTensor(torch.randn(3))
+    assert compat.is_pending_collective(pending), _gone("torch.distributed._functional_collectives.AsyncCollectiveTensor")
+    assert not compat.is_pending_collective(pending.wait()) and not compat.is_pending_collective(torch.randn(3))
+    assert not compat.is_pending_collective(None) and not compat.is_dtensor(pending)
+    assert compat.is_block_shard(Shard(0)) and compat.is_block_shard(Shard(-1))
+    assert not compat.is_block_shard(_StridedShard(0, split_factor=2)), _gone("placement_types._StridedShard")
+    assert not compat.is_block_shard(Replicate())
+
+
+def _dtensor_kinds(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    x = DTensor.from_local(torch.randn(2, 4, device=rank_device(rank)), mesh, [Replicate()])
+    assert compat.is_dtensor(x) and compat.is_dtensor(nn.Parameter(x))
+    assert not compat.is_dtensor(x.to_local()) and not compat.is_dtensor(nn.Parameter(torch.randn(2)))
+    assert not compat.is_dtensor(None) and not compat.is_pending_collective(x)
+
+
+@pytest.mark.distributed
+def test_dtensor_told_from_plain_tensors():
+    """A DTensor and a DTensor parameter are DTensors; their local shards and plain tensors or parameters are not."""
+    spawn(_dtensor_kinds, 1)
+
+
 def test_function_apply_matches_apply_and_defers_to_it_under_functorch():
     """function_apply(cls)(*args) is cls.apply(*args): same output, same grads, same graph node type; under a
     functorch transform it is cls.apply itself (which refuses a Function without setup_context)."""

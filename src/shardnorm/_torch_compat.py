@@ -21,6 +21,10 @@ nn.Module hook dicts (`_forward_pre_hooks`, `_backward_hooks`, ...) and `Tensor.
   to see the hooks a module or parameter carries (conversion refuses to drop them), and to remove the module
   backward hooks a framework installed without handing out their handles (transformers' tensor-parallel
   styles), leaving everyone else's.
+Tensor and placement kinds, told apart without importing torch.distributed where no DTensor can exist yet:
+  `DTensor`, a functional collective's pending result (`torch.distributed._functional_collectives.
+  AsyncCollectiveTensor`), and `torch.distributed.tensor.placement_types._StridedShard` (on torch 2.11 a `Shard`
+  whose `is_shard()` is true).
 Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then take the custom op,
   so a mode such as selective activation checkpointing's sees the norm as one op).
 autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls after its Python checks
@@ -32,6 +36,7 @@ Framework-specific internals stay in their adapter (DeepSpeed's AutoTP partition
 """
 
 import functools
+import sys
 
 import torch
 
@@ -173,6 +178,41 @@ def remove_module_backward_hooks(module, installed_by) -> int:
 def has_post_accumulate_grad_hooks(param) -> bool:
     """Whether `register_post_accumulate_grad_hook` put a hook on this parameter."""
     return bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+# ---- tensor and placement kinds ----------------------------------------------------------------------------
+
+_TENSOR = torch.Tensor
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (a subclass too). False without a lookup in torch.distributed while its tensor
+    package is not imported: no DTensor exists then."""
+    if type(t) is _TENSOR:  # the eager norm's common case (its host time), before the lookups
+        return False
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
+
+
+def is_pending_collective(t) -> bool:
+    """Whether `t` is a functional collective's result not waited on yet (`AsyncCollectiveTensor`: sequence
+    parallel's norm input and grads); `t.wait()` gives the plain tensor once the collective has written it."""
+    cls = getattr(sys.modules.get("torch.distributed._functional_collectives"), "AsyncCollectiveTensor", None)
+    return cls is not None and isinstance(t, cls)
+
+
+def is_block_shard(placement) -> bool:
+    """Whether `placement` is `Shard(d)`: dim d cut into one contiguous block per rank. Not `_StridedShard`
+    (FSDP2 over tensor parallelism: blocks interleaved), which is a `Shard` whose `is_shard()` is true on torch 2.11
+    and neither on 2.13."""
+    return placement.is_shard() and not isinstance(placement, _strided_shard_class())
+
+
+@functools.cache
+def _strided_shard_class() -> type:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------------

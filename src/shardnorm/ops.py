@@ -137,18 +137,18 @@ torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _
 # ---- eager: the autograd.Function ----------------------------------------------------------------------------
 
 _PLAIN = (Tensor, torch.nn.Parameter, type(None))
-_PENDING = "AsyncCollectiveTensor"  # a functional collective's result (sequence parallel's norm input and grads)
+_is_pending = _torch_compat.is_pending_collective
 
 
 def _ready(t: Optional[Tensor]) -> Optional[Tensor]:
     """The plain tensor behind a collective's pending result, waited on (the kernels must not read a buffer that a
     collective is still writing); other tensors as they are."""
-    return t.wait() if type(t).__name__ == _PENDING else t
+    return t.wait() if type(t) not in _PLAIN and _is_pending(t) else t
 
 
 def _eager_ok(*tensors) -> bool:
     for t in tensors:  # a loop, not all(<genexpr>): ~0.5 us of host time per call
-        if type(t) not in _PLAIN and type(t).__name__ != _PENDING:
+        if type(t) not in _PLAIN and not _is_pending(t):
             return False
     return True
 

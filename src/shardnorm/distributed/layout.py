@@ -15,6 +15,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from .._torch_compat import is_block_shard
+
 
 @dataclass(frozen=True)
 class NormLayout:
@@ -34,7 +36,7 @@ def norm_layout(x: DTensor, weight, bias, residual, normalized_shape: tuple) -> 
     for mesh_dim, p in enumerate(x.placements):
         if isinstance(p, Replicate):
             param_placements.append(Replicate())
-        elif p.is_shard() and getattr(p, "split_factor", 1) == 1:  # not a _StridedShard
+        elif is_block_shard(p):
             dim = p.dim % x.dim()
             if dim < first_normalized:
                 token_dims.append(mesh_dim)
