@@ -154,3 +154,21 @@ def test_torch_compile_fullgraph_matches_eager():
     assert rel_err(compiled, eager) < 1e-6 and rel_err(compiled, want) < 1e-5
     for i, (got, eager_grad, want_grad) in enumerate(zip(compiled_grads, eager_grads, want_grads)):
         assert rel_err(got, eager_grad) < 1e-5 and rel_err(got, want_grad) < 1e-5, i
+
+
+def test_norm_takes_a_given_eps_without_resolving_it_again(monkeypatch):
+    """`functional._norm` uses a given eps as it is (a module resolves it once, for the norm and for its output
+    recompute) and resolves only None, to finfo(x.dtype).eps (torch's rms_norm default)."""
+    from shardnorm import functional as F
+
+    seed = torch.seed()
+    print(f"seed {seed}")
+    calls, resolve = [], F.resolve_eps
+    monkeypatch.setattr(F, "resolve_eps", lambda eps, dtype: calls.append(eps) or resolve(eps, dtype))
+    x, w = torch.randn(3, 16), torch.randn(16)
+    y, _ = F._norm(x, None, 16, w, None, 0.5, True, False)
+    assert calls == []
+    assert rel_err(y, reference_norm(x, w, None, None, 0.5, rms=True)) < 1e-5
+    y_default, _ = F._norm(x, None, 16, w, None, None, True, False)
+    assert calls == [None]
+    assert torch.equal(y_default, F._norm(x, None, 16, w, None, torch.finfo(torch.float32).eps, True, False)[0])

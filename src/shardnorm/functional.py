@@ -64,9 +64,12 @@ def resolve_eps(eps: Optional[float], dtype: torch.dtype) -> float:
 
 
 def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool, zero_centered: bool):
+    """eps: a number (a caller that keeps the value, the module with keep_output=False, resolves it once and passes
+    it), or None for `resolve_eps`'s default."""
     shape = normalized_shape if type(normalized_shape) is tuple else \
         (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    eps = resolve_eps(eps, x.dtype)
+    if eps is None:
+        eps = resolve_eps(None, x.dtype)
     _check(x, residual, shape, weight, bias, eps)  # DTensors too: their shapes are the global ones
     if is_dtensor(x):
         from .distributed.dtensor import norm_dtensor
