@@ -14,8 +14,6 @@ The variants of one (arch, mode) are built side by side and their steps interlea
 C ...), so the GPU's clock drift and a slow spell of the shared machine hit them alike (timing each
 variant's round in turn favoured whichever went first: 102.5 ms then 105.3 and 105.6 for the same model). Peak memory is
 each variant's own: the rise over what was resident before its timed steps, plus its parameters.
-In compile mode `shardnorm` runs with `shardnorm.compile_fusion.enable()` and `shardnorm_unfused` without it (the
-residual add and the sum of the norm's output grads outside the norm's kernels): what `compile_fusion.py` is worth.
 
 Weights are random (seeded), norm weights moved off their init (+ N(0, 0.2)) so a scale error shows.
 Liger (liger_kernel): `apply_liger_kernel_to_<arch>(model=..., rms_norm=True, everything else False)`,
@@ -50,7 +48,7 @@ ARCHS = {
 SHAPE = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
              num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
 VARIANTS = {"eager": ("native", "shardnorm", "liger"),
-            "compile": ("native", "shardnorm", "shardnorm_unfused", "liger")}
+            "compile": ("native", "shardnorm", "liger")}
 SMOKE_SHAPE = dict(SHAPE, vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16)  # --smoke: the code paths on a CPU, seconds
 DEVICE = "cuda"
@@ -134,34 +132,8 @@ def patch_liger(model, arch):
     return model, "; ".join(notes + [f"LigerRMSNorm module swap: {count} norms"])
 
 
-def patch_shardnorm_unfused(model, arch):
-    model, notes = patch_shardnorm(model, arch)
-    return model, notes + ", compile fusion off"  # compile_fusion_for (below) leaves the passes off for it
-
-
 PATCHES = {"native": lambda model, arch: (model, "the model's own norms"), "shardnorm": patch_shardnorm,
-           "shardnorm_unfused": patch_shardnorm_unfused, "liger": patch_liger}
-
-
-class compile_fusion_for:
-    """shardnorm's compile passes (`compile_fusion.enable()`) while the `shardnorm` variant compiles (its first
-    steps), off for every other variant; off again after."""
-
-    def __init__(self, variant):
-        self.on = variant == "shardnorm"
-
-    def __enter__(self):
-        from shardnorm import compile_fusion
-
-        if self.on:
-            compile_fusion.enable()
-        else:
-            compile_fusion.disable()
-
-    def __exit__(self, *exc):
-        from shardnorm import compile_fusion
-
-        compile_fusion.disable()
+           "liger": patch_liger}
 
 
 class restore_module_globals:
@@ -259,7 +231,7 @@ def fp32_reference(arch, args) -> dict:
 def prepare_case(arch, mode, variant, args, refs):
     """Build and patch one variant, take its first step (compiles; compared with refs["native"], the native
     eager bf16 step, and refs["fp32"]) and warm it up. Returns (row, first step, step, params)."""
-    with restore_module_globals(arch), compile_fusion_for(variant):
+    with restore_module_globals(arch):
         model = build(arch, args.layers)
         model, notes = PATCHES[variant](model, arch)
         ids = _tokens()
@@ -271,16 +243,10 @@ def prepare_case(arch, mode, variant, args, refs):
             loss.backward()
             return loss
 
-        from shardnorm import compile_fusion
-
-        t0, fused_before = time.perf_counter(), dict(compile_fusion.counts)
+        t0 = time.perf_counter()
         first = _first_step(model, runner, ids)
         row = dict(arch=arch, mode=mode, variant=variant, notes=notes, loss=first["loss"],
                    first_step_s=time.perf_counter() - t0)
-        if mode == "compile" and variant.startswith("shardnorm"):
-            fused = {k: v - fused_before.get(k, 0) for k, v in compile_fusion.counts.items()}
-            row["notes"] += (f"; {fused.get('fused_adds', 0)} residual adds fused into norms, "
-                             f"{fused.get('fused_grad_terms', 0)} grad adds into their backward")
         if "native" in refs:
             row.update(_compare(first["grads"], first["loss"], refs["native"], ""))
             row["parity_ok"] = row["loss_rel_diff"] <= LOSS_REL_TOL and row["norm_grad_rel_err_max"] <= GRAD_REL_TOL

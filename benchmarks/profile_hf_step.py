@@ -1,6 +1,6 @@
 """Where a compiled HF decoder step's GPU time goes: the model's own norms vs shardnorm, kernel by kernel.
 
-    python benchmarks/profile_hf_step.py --out $OUT [--arch llama] [--variants native,shardnorm,shardnorm_unfused]
+    python benchmarks/profile_hf_step.py --out $OUT [--arch llama] [--variants native,shardnorm]
 
 Builds the same model as bench_hf_models.py (4 layers of 4096, 2 x 4096 tokens, bf16), compiles each
 variant, warms it up, and records PROFILED_STEPS steps with torch.profiler. Each kernel's GPU time per
@@ -36,7 +36,7 @@ def kind(name: str) -> str:
 
 
 def profile_variant(arch: str, variant: str, layers: int) -> dict:
-    with bench.restore_module_globals(arch), bench.compile_fusion_for(variant):
+    with bench.restore_module_globals(arch):
         model = bench.build(arch, layers)
         model, notes = bench.PATCHES[variant](model, arch)
         runner = torch.compile(model)
@@ -92,7 +92,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--arch", default="llama")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--variants", default="native,shardnorm,shardnorm_unfused")
+    parser.add_argument("--variants", default="native,shardnorm")
     args = parser.parse_args()
     from torch._inductor import config as inductor_config
 

@@ -69,7 +69,7 @@ case "${1:-tests}" in
     step deepspeed 200 python3 -m pytest -q -p no:cacheprovider tests/test_deepspeed_zero.py \
       tests/test_deepspeed_ulysses.py tests/test_deepspeed_autotp.py tests/test_deepspeed_config.py ;;
   bench)
-    TAIL=14 step sp_norm_grads 150 torchrun --standalone --nproc-per-node 2 parallel/bench_sp_norm_grads.py \
+    TAIL=14 step sp_norm_grads 150 torchrun --standalone --nproc-per-node 2 benchmarks/bench_sp_norm_grads.py \
       --out "$WORK/sp_norm_grads.json" --steps 2 --warmup 1 ;;
   train)
     IFS='|' read -ra runs <<< "${RUNS:---norm shardnorm|--norm torch|--norm shardnorm --compile|--norm torch --compile}"

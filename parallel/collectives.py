@@ -1,4 +1,5 @@
-"""Count and time one step's norm-grad all-reduces with torch.profiler.
+"""Count and time one step's norm-grad all-reduces with torch.profiler; `AllReduceCounter` counts them (and their
+bytes) as they are dispatched, without a profiler.
 
 Which all-reduces are norm grads: in the programs here the sequence-parallel linears communicate with
 all-gather / reduce-scatter, FSDP reduces with reduce-scatter, and grad clipping and loss logging
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ALL_REDUCE_OPS = ("c10d::allreduce_", "_c10d_functional::all_reduce", "_c10d_functional::all_reduce_")
 EXCLUDED_RANGE = "clip_grad_norm"
@@ -108,3 +110,20 @@ def profiled_collectives(cuda: bool, keep_trace: str | None = None):
         os.makedirs(os.path.dirname(keep_trace) or ".", exist_ok=True)
         with gzip.open(keep_trace, "wt") as f:
             json.dump(trace, f)
+
+
+class AllReduceCounter(TorchDispatchMode):
+    """All-reduces issued (eager c10d or functional, as DTensor's redistribute issues them) and bytes."""
+
+    OPS = (torch.ops.c10d.allreduce_, torch.ops._c10d_functional.all_reduce)
+
+    def __init__(self):
+        super().__init__()
+        self.count = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.OPS:
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.count += 1
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))

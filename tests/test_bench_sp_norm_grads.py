@@ -19,7 +19,7 @@ def test_norm_grad_collective_counts(tmp_path):
     out = tmp_path / "sp.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "parallel/bench_sp_norm_grads.py", "--out", str(out), "--layers", str(LAYERS),
+                             "benchmarks/bench_sp_norm_grads.py", "--out", str(out), "--layers", str(LAYERS),
                              "--micro-batches", str(MICRO_BATCHES)],
                             cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -34,15 +34,15 @@ def test_custom_ops_check_devices(monkeypatch):
     """The custom ops check every tensor's device against x's (src's): the kernels get raw addresses."""
     from shardnorm import ops
 
-    with pytest.raises(ValueError, match="shardnorm::norm_bwd: dy3 is on meta but src is on cpu"):
-        ops._check_devices("norm_bwd", "src", torch.ones(2), dy=torch.ones(2), dy3=torch.ones(2, device="meta"))
+    with pytest.raises(ValueError, match="shardnorm::norm_bwd: rstd is on meta but src is on cpu"):
+        ops._check_devices("norm_bwd", "src", torch.ones(2), dy=torch.ones(2), rstd=torch.ones(2, device="meta"))
     seen = []
     monkeypatch.setattr(ops, "_check_devices", lambda op, anchor, like, **tensors: seen.append((op, set(tensors))))
     x, w = torch.randn(2, 8), torch.randn(8)
     _, _, mean, rstd = torch.ops.shardnorm.norm_fwd(x, w, None, None, 1e-5, True, False)
-    torch.ops.shardnorm.norm_bwd(x, None, x, w, mean, rstd, False, True, False, x, x)
+    torch.ops.shardnorm.norm_bwd(x, None, x, w, mean, rstd, False, True, False)
     assert seen == [("norm_fwd", {"weight", "bias", "residual"}),
-                    ("norm_bwd", {"dy", "dz", "weight", "mean", "rstd", "dy2", "dy3"})]
+                    ("norm_bwd", {"dy", "dz", "weight", "mean", "rstd"})]
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
@@ -59,7 +59,7 @@ def test_bad_eps(eps):
         shardnorm.rms_norm(torch.randn(2, 8), 8, eps=eps)
 
 
-@pytest.mark.parametrize("name, value", [("SHARDNORM_BACKEND", "cuda"), ("SHARDNORM_COMPILE_FUSION", "maybe")])
+@pytest.mark.parametrize("name, value", [("SHARDNORM_BACKEND", "cuda"), ("SHARDNORM_PORTABLE_KERNELS", "maybe")])
 def test_bad_setting_names_the_variable(monkeypatch, name, value):
     from shardnorm import settings
 

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 import shardnorm
-from parallel.bench_fsdp import AllReduceCounter
+from parallel.collectives import AllReduceCounter
 from parallel.model import Block
 from parallel.parallelize import apply_tensor_parallel, materialize_output, parallelize
 from shardnorm.distributed import reducer_of

@@ -85,6 +85,24 @@ def test_convert_is_exact_on_hf_architecture(model_type, tmp_path, monkeypatch):
         assert rel_err(reloaded(**inputs).logits, want_logits) <= TOL
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_compiled_converted_decoder_matches_unconverted(arch):
+    """torch.compile of a converted decoder (the norms traced as shardnorm's custom ops; Gemma's 1 + weight): logits
+    and every parameter grad equal the unconverted model's in eager, fp32. (Qwen3 compiled: test_hf_trainer.py.)"""
+    reference = tiny_model(arch, seed=3)
+    model = shardnorm.convert(copy.deepcopy(reference)).model
+    inputs = batch(reference, seed=4)
+    expected = reference(**inputs)
+    expected.loss.backward()
+    torch._dynamo.reset()
+    got = torch.compile(model)(**inputs)
+    got.loss.backward()
+    torch._dynamo.reset()
+    assert rel_err(got.logits, expected.logits) < TOL
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert rel_err(p.grad, q.grad) < TOL, name
+
+
 def test_convert_through_interpreted_triton(monkeypatch):
     """Gemma (scale 1 + weight) with the Triton kernels, interpreted on CPU."""
     monkeypatch.setenv("SHARDNORM_BACKEND", "triton")

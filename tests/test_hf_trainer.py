@@ -11,6 +11,7 @@
 All Trainer runs: gradient_accumulation_steps=2, 5 steps, clipping at 1.0; one spawn for everything. A tp_plan
 model cannot go through the Trainer on CPU either (Accelerate allows its ParallelismConfig only on GPUs,
 DeepSpeed or FSDP2): tests/test_hf_tp_plan.py covers it with an Accelerate loop.
+`torch_compile=True` runs in one process, against the eager Trainer on the model's own norms.
 """
 
 import os
@@ -180,3 +181,26 @@ def _runs_body(rank, world, root):
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU runs by design: Trainer with use_cpu on gloo")
 def test_trainer_deepspeed_section_and_fsdp(tmp_path):
     spawn(_runs_body, 2, str(tmp_path))
+
+
+def test_trainer_torch_compile(tmp_path):
+    """transformers' own Trainer with `torch_compile=True` after `enable(trainer)` (one process): the norms traced as
+    shardnorm's custom ops, its losses equal the eager Trainer's with the model's own norms (fp32, gradient
+    accumulation 2, clipping)."""
+    from shardnorm.integrations.transformers import enable
+
+    path = tmp_path / "qwen3"
+    _save_tiny_qwen3(path, seed=5)
+    data = _Tokens(4 * STEPS, seed=6)
+
+    def run(out, compiled: bool, shardnorm_on: bool):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainer = transformers.Trainer(model=model, args=_args(str(tmp_path / out), 2, GAS, torch_compile=compiled),
+                                       train_dataset=data)
+        if shardnorm_on:
+            enable(trainer)
+        trainer.train()
+        return _losses(trainer)
+
+    _close(run("compiled", compiled=True, shardnorm_on=True), run("eager", compiled=False, shardnorm_on=False),
+           "compiled Trainer with shardnorm vs eager Trainer with the model's own norms")

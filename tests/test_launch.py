@@ -114,3 +114,72 @@ def test_derived_arguments_are_left_out_of_the_key(monkeypatch):
     launcher((1,), x[1:], y, 8)  # a keyed tensor misaligned: a new key
     launcher((1,), x, y, 16)  # a keyed int now divisible by 16: a new key
     assert len(misses) == 3
+
+
+def _compiled_mode(kernel):
+    """The kernel as a JITFunction (under TRITON_INTERPRET=1 @triton.jit gives an InterpretedFunction)."""
+    return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+
+
+def _random_launches(kernel, rng, count):
+    """`count` runtime-argument tuples for `kernel`: tensors of three dtypes at 16-byte aligned and misaligned
+    offsets (Tensor or Parameter) or None for pointers, ints around Triton's boundaries (1, multiples of 16, the
+    i32/i64/u64 ranges), floats for eps."""
+    base = torch.zeros(64)
+    tensors = [base.to(dtype)[offset:] for dtype in (torch.bfloat16, torch.float16, torch.float32) for offset in (0, 1, 8)]
+    tensors += [torch.nn.Parameter(t) for t in tensors[:3]] + [None]
+    ints = [0, 1, 2, 16, 17, 48, -16, -1, 2**31 - 16, 2**31 - 1, 2**31, 2**40, 2**40 + 8, 2**63 - 16, 2**63, 2**64 - 16]
+    runtime = [p for p in kernel.params if not p.is_constexpr]
+    pick = lambda p: (rng.choice(tensors) if p.name.isupper() and p.name not in ("M", "N", "P", "K")  # noqa: E731
+                      else rng.choice([1e-5, 0.5]) if p.name == "eps" else rng.choice(ints))
+    return [tuple(pick(p) for p in runtime) for _ in range(count)]
+
+
+def _coarser_than_triton(key, kernel, launches):
+    """Launches that `key` maps to one cache entry although Triton specializes them differently."""
+    from triton.backends.compiler import GPUTarget
+
+    from shardnorm.kernels.launch import triton_specialization
+
+    constexprs = {p.name: 1 for p in kernel.params if p.is_constexpr}
+    seen, found = {}, []
+    for args in launches:
+        spec = triton_specialization(kernel, GPUTarget("cuda", 90, 32), args, constexprs)
+        first = seen.setdefault(key(args), (spec, args))
+        if first[0] != spec:
+            describe = lambda a: f"{a.dtype} at {a.data_ptr() % 16} mod 16" if isinstance(a, torch.Tensor) else a  # noqa: E731
+            found.append([(s, [describe(a) for a in launch]) for s, launch in (first, (spec, args))])
+    return found, len(seen)
+
+
+def _kernels():
+    import importlib
+
+    fwd = importlib.import_module("shardnorm.kernels.norm_fwd")
+    bwd = importlib.import_module("shardnorm.kernels.norm_bwd")
+    return [fwd.norm_fwd_kernel, bwd.norm_bwd_kernel, bwd.row_sums_kernel, bwd.dx_kernel, bwd.column_sum_kernel]
+
+
+@pytest.mark.parametrize("kernel", _kernels(), ids=lambda k: k.__name__)
+def test_key_is_at_least_as_fine_as_tritons_specialization(kernel):
+    """Two launches of a shardnorm kernel that share a launch-cache key get the same specialization from Triton's
+    own binder (divisibility by 16, ints equal to 1, integer widths, dtypes, None), so a cached kernel is never run
+    where Triton would have compiled another. A key without alignment is caught (the check can fail)."""
+    import random
+
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    kernel, rng = _compiled_mode(kernel), random.Random(seed)
+    bases, others = _random_launches(kernel, rng, 40), _random_launches(kernel, rng, 40)
+    # each base launch, and it with one argument taken from another launch (often one of the same key: 16 and 48,
+    # offsets 0 and 8, a Parameter for a Tensor)
+    launches = [v for base, other in zip(bases, others) for i in range(len(base))
+                for v in (base, base[:i] + other[i:i + 1] + base[i + 1:])]
+    coarser, keys = _coarser_than_triton(lambda args: _key(0, args), kernel, launches)
+    assert not coarser, f"seed {seed}: one launch-cache key, two Triton specializations: {coarser[0]}"
+    assert keys < len(launches)  # some launches shared a key
+
+    def without_alignment(args):
+        return tuple(a.dtype if isinstance(a, torch.Tensor) else _spec(a) for a in args)
+
+    assert _coarser_than_triton(without_alignment, kernel, launches)[0], f"seed {seed}"

@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardnorm"
 LAYERS = [
     ("shardnorm._torch_compat", 0), ("shardnorm.settings", 0),
     ("shardnorm.kernels", 1), ("shardnorm.reference", 1), ("shardnorm.rows", 1),
-    ("shardnorm.ops", 2), ("shardnorm.compile_fusion", 2),
+    ("shardnorm.ops", 2),
     ("shardnorm.functional", 3), ("shardnorm.modules", 3), ("shardnorm.conversion", 3),
     ("shardnorm.norm_families", 3), ("shardnorm.output_recompute", 3),
     ("shardnorm.distributed", 4), ("shardnorm.fsdp", 4),
@@ -24,8 +24,8 @@ ALLOWED_UPWARD = {("shardnorm.functional", "shardnorm.distributed.dtensor")}
 
 TORCH_INTERNALS = {"_current_graph_task_id", "_execution_engine", "_get_fsdp_state", "_fsdp_param_groups",
                    "_fsdp_param_group", "unsharded_accumulated_grad", "_unsharded_param", "_param_fqn",
-                   "_run_policy", "_module_classes", "_module_classes_to_ignore", "pre_grad_custom_pass",
-                   "post_grad_custom_post_pass", "custom_graph_pass"}
+                   "_run_policy", "_module_classes", "_module_classes_to_ignore",
+                   "split_factor"}  # _StridedShard's
 
 
 # private torch names read outside _torch_compat.py, and why each is there: (file under src/shardnorm, name)
@@ -148,7 +148,8 @@ def test_private_torch_apis_only_in_torch_compat():
                 on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
                 if node.attr in TORCH_INTERNALS or node.attr in private_names and not (on_self and node.attr in own):
                     names.append(f".{node.attr}")
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in private_names:
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    (node.value in private_names or node.value in TORCH_INTERNALS):
                 names.append(repr(node.value))  # getattr(obj, "_private")
             elif isinstance(node, ast.keyword) and node.arg in TORCH_INTERNALS:
                 names.append(f"{node.arg}=")
@@ -172,6 +173,7 @@ def test_the_scan_sees_private_torch_access(tmp_path, monkeypatch):
                                 "b = module._backward_hooks\n"
                                 "c = getattr(param, '_post_accumulate_grad_hooks', None)\n"
                                 "d = mesh._flatten('dp')\n"
+                                "e = getattr(placement, 'split_factor', 1)\n"
                                 "from torch.utils._python_dispatch import TorchDispatchMode\n")
     monkeypatch.setitem(globals(), "SRC", bad)
     try:
@@ -182,8 +184,61 @@ def test_the_scan_sees_private_torch_access(tmp_path, monkeypatch):
         raise AssertionError("the scan found nothing in a file full of private torch access")
     for expected in ("bad.py:2: torch._C._current_graph_task_id", "bad.py:2: ._C", "bad.py:3: ._backward_hooks",
                      "bad.py:4: '_post_accumulate_grad_hooks'", "bad.py:5: ._flatten",
-                     "bad.py:6: torch.utils._python_dispatch"):
+                     "bad.py:6: 'split_factor'", "bad.py:7: torch.utils._python_dispatch"):
         assert expected in message, (expected, message)
+
+
+# type checks by class name outside _torch_compat.py, (file under src/shardnorm, what the name is compared with)
+NAME_CHECKS_OUTSIDE: set = set()
+
+
+def _name_checks(tree: ast.AST):
+    """(line, compared with) of every `<expr>.__name__ ==` / `!=` / `in` / `not in` comparison in `tree`: a type
+    told by its name (`type(t).__name__ == "DTensor"`) rather than by `_torch_compat`'s predicates."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        named = [o for o in operands if isinstance(o, ast.Attribute) and o.attr == "__name__"]
+        if named and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+            others = [o for o in operands if o not in named]
+            yield node.lineno, ", ".join(ast.unparse(o) for o in others)
+
+
+def test_type_name_checks_only_in_torch_compat():
+    """DTensors, pending collectives and placements are told apart by `_torch_compat`'s predicates (is_dtensor,
+    is_pending_collective, is_block_shard), not by comparing a class's name elsewhere; each finding names
+    file:line."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "_torch_compat.py":
+            continue
+        found += [f"{rel}:{line}: __name__ compared with {what}" for line, what in _name_checks(ast.parse(path.read_text()))
+                  if (rel, what) not in NAME_CHECKS_OUTSIDE]
+    assert not found, "type checks by class name outside shardnorm/_torch_compat.py:\n" + "\n".join(found)
+
+
+def test_the_scan_sees_type_name_checks(tmp_path, monkeypatch):
+    bad = tmp_path / "shardnorm"
+    bad.mkdir()
+    (bad / "bad.py").write_text("PENDING = 'AsyncCollectiveTensor'\n"
+                                "a = type(t).__name__ == 'DTensor'\n"
+                                "b = type(t).__name__ != PENDING\n"
+                                "c = any(k.__name__ == 'DTensor' for k in type(p).__mro__)\n"
+                                "d = type(t).__name__ in ('DTensor', 'Tensor')\n"
+                                "ok = 'norm' in type(m).__name__.lower() or f(type(m).__name__)\n")
+    monkeypatch.setitem(globals(), "SRC", bad)
+    try:
+        test_type_name_checks_only_in_torch_compat()
+    except AssertionError as e:
+        message = str(e)
+    else:
+        raise AssertionError("the scan found nothing in a file of type-name checks")
+    for expected in ("bad.py:2: __name__ compared with 'DTensor'", "bad.py:3: __name__ compared with PENDING",
+                     "bad.py:4: __name__ compared with 'DTensor'", "bad.py:5: __name__ compared with ('DTensor', "):
+        assert expected in message, (expected, message)
+    assert "bad.py:6" not in message  # a name read for a message or a heuristic on the user's classes
 
 
 def test_one_module_behind_each_public_name():

@@ -123,13 +123,12 @@ def test_stageable_calls():
     rows = torch.randn(4, 16384 + 8, dtype=torch.bfloat16)
     x, dy, w = rows[:, :16384], torch.randn(4, 16384, dtype=torch.bfloat16), torch.randn(16384, dtype=torch.bfloat16)
     stageable = bwd_module._stageable
-    assert x.stride()[0] % 16 == 8 and not stageable(x, dy, w, ())  # rows 8 elements apart: not 16-byte multiples
+    assert x.stride()[0] % 16 == 8 and not stageable(x, dy, w)  # rows 8 elements apart: not 16-byte multiples
     x = torch.randn(4, 16384, dtype=torch.bfloat16)
-    assert stageable(x, dy, w, ()) and stageable(x, dy, None, ())
-    assert not stageable(x.float(), dy, w, ()) and not stageable(x, dy.float(), w, ())  # 4-byte rows
-    assert not stageable(x, dy, w, (dy,))  # grad terms: summed in fp32 first
-    assert not stageable(torch.randn(4 * 16384 + 1, dtype=torch.bfloat16)[1:].view(4, 16384), dy, w, ())  # misaligned
-    assert not stageable(x, dy, torch.randn(16385, dtype=torch.bfloat16)[1:], ())  # misaligned weight
+    assert stageable(x, dy, w) and stageable(x, dy, None)
+    assert not stageable(x.float(), dy, w) and not stageable(x, dy.float(), w)  # 4-byte rows
+    assert not stageable(torch.randn(4 * 16384 + 1, dtype=torch.bfloat16)[1:].view(4, 16384), dy, w)  # misaligned
+    assert not stageable(x, dy, torch.randn(16385, dtype=torch.bfloat16)[1:])  # misaligned weight
 
 
 CASES = {"bf16_weight": dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16),

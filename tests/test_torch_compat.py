@@ -167,39 +167,37 @@ def test_fsdp2_state_internals():
     spawn(_fsdp2_state, 1)
 
 
-@pytest.mark.parametrize("slot", compat.INDUCTOR_PASS_SLOTS)
-def test_inductor_graph_pass_slot_runs_a_custom_graph_pass(slot):
-    """Inductor's custom pass slots still exist, read back what was set, and run a `CustomGraphPass` set there on
-    the graphs Inductor compiles (caches off: a cached graph runs no pass)."""
-    import torch._inductor.config as inductor_config
+def test_pending_collective_and_block_shard():
+    """A functional collective's pending result is told from plain tensors (and is plain once waited on);
+    `Shard(d)` is a block shard, `_StridedShard` (torch 2.11: a Shard subclass) and Replicate are not."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    assert hasattr(inductor_config, slot), _gone(f"torch._inductor.config.{slot}")
-    assert compat.inductor_loaded()
-    seen = []
-
-    class Marker(compat.inductor_graph_pass_base()):
-        def __call__(self, graph):
-            seen.append(len(graph.nodes))
-
-        def uuid(self):
-            return "marker"
-
-    with inductor_config.patch({"force_disable_caches": True, slot: compat.inductor_graph_pass(slot)}):
-        marker = Marker()
-        compat.set_inductor_graph_pass(slot, marker)
-        assert compat.inductor_graph_pass(slot) is marker
-        torch._dynamo.reset()
-        x = torch.randn(8)
-        assert torch.allclose(torch.compile(lambda t: (t * 2).sin(), fullgraph=True)(x), (x * 2).sin())
-        torch._dynamo.reset()
-    assert seen, _gone(f"torch._inductor.config.{slot} running a CustomGraphPass")
+    pending = AsyncCollectiveTensor(torch.randn(3))
+    assert compat.is_pending_collective(pending), _gone("torch.distributed._functional_collectives.AsyncCollectiveTensor")
+    assert not compat.is_pending_collective(pending.wait()) and not compat.is_pending_collective(torch.randn(3))
+    assert not compat.is_pending_collective(None) and not compat.is_dtensor(pending)
+    assert compat.is_block_shard(Shard(0)) and compat.is_block_shard(Shard(-1))
+    assert not compat.is_block_shard(_StridedShard(0, split_factor=2)), _gone("placement_types._StridedShard")
+    assert not compat.is_block_shard(Replicate())
 
 
-def test_inductor_graph_pass_slot_is_checked():
-    with pytest.raises(ValueError, match="slot must be one of"):
-        compat.inductor_graph_pass("post_grad_custom_pre_pas")
-    with pytest.raises(ValueError, match="slot must be one of"):
-        compat.set_inductor_graph_pass("post_grad_custom_pre_pas", None)
+def _dtensor_kinds(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    x = DTensor.from_local(torch.randn(2, 4, device=rank_device(rank)), mesh, [Replicate()])
+    assert compat.is_dtensor(x) and compat.is_dtensor(nn.Parameter(x))
+    assert not compat.is_dtensor(x.to_local()) and not compat.is_dtensor(nn.Parameter(torch.randn(2)))
+    assert not compat.is_dtensor(None) and not compat.is_pending_collective(x)
+
+
+@pytest.mark.distributed
+def test_dtensor_told_from_plain_tensors():
+    """A DTensor and a DTensor parameter are DTensors; their local shards and plain tensors or parameters are not."""
+    spawn(_dtensor_kinds, 1)
 
 
 def test_function_apply_matches_apply_and_defers_to_it_under_functorch():
@@ -272,3 +270,13 @@ def _dtensor_spec_and_wrap(rank, world_size):
 def test_dtensor_spec_wraps_a_local_tensor_like_from_local():
     """dtensor_with_spec(local, dtensor_spec(...)) is the DTensor from_local builds, over the same local tensor."""
     spawn(_dtensor_spec_and_wrap, 2)
+
+
+def test_saved_tensors_hooks_top_and_compiled_module():
+    assert compat.saved_tensors_hooks_top() is None
+    pack, unpack = (lambda t: t), (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert compat.saved_tensors_hooks_top() == (pack, unpack), _gone("_top_saved_tensors_default_hooks")
+    module = torch.nn.Linear(2, 2)
+    assert not compat.is_compiled_module(module)
+    assert compat.is_compiled_module(torch.compile(module)), _gone("OptimizedModule")

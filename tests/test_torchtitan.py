@@ -12,7 +12,7 @@ pytest.importorskip("torchtitan")
 from torchtitan.models.common import RMSNorm as TitanRMSNorm  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
-from parallel.runtime import free_port  # noqa: E402
+from spawn_ranks import free_port  # noqa: E402
 from shardnorm.integrations.torchtitan import ShardnormConverter, ShardnormRMSNorm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,7 +30,7 @@ from torchtitan.config.override import derive, override
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-from parallel.bench_fsdp import AllReduceCounter
+from parallel.collectives import AllReduceCounter
 
 
 class _CPUDevice(types.ModuleType):

@@ -21,8 +21,10 @@ nn.Module hook dicts (`_forward_pre_hooks`, `_backward_hooks`, ...) and `Tensor.
   to see the hooks a module or parameter carries (conversion refuses to drop them), and to remove the module
   backward hooks a framework installed without handing out their handles (transformers' tensor-parallel
   styles), leaving everyone else's.
-Inductor: `torch._inductor.config.pre_grad_custom_pass` / `post_grad_custom_post_pass` and
-  `torch._inductor.custom_graph_pass.CustomGraphPass` (`compile_fusion.py`'s graph passes, set and removed there).
+Tensor and placement kinds, told apart without importing torch.distributed where no DTensor can exist yet:
+  `DTensor`, a functional collective's pending result (`torch.distributed._functional_collectives.
+  AsyncCollectiveTensor`), and `torch.distributed.tensor.placement_types._StridedShard` (on torch 2.11 a `Shard`
+  whose `is_shard()` is true).
 Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then take the custom op,
   so a mode such as selective activation checkpointing's sees the norm as one op).
 autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls after its Python checks
@@ -38,6 +40,7 @@ Framework-specific internals stay in their adapter (DeepSpeed's AutoTP partition
 """
 
 import functools
+import sys
 
 import torch
 
@@ -82,11 +85,6 @@ def innermost_functorch_transform() -> str | None:
 def tensor_version(t) -> int:
     """`t`'s version counter (bumped by every in-place write; what autograd checks saved tensors against)."""
     return t._version
-
-
-def is_dtensor(t) -> bool:
-    """Whether `t` is a DTensor, without importing torch.distributed.tensor (slow, and absent on some builds)."""
-    return type(t).__name__ == "DTensor"
 
 
 def is_compiled_module(module) -> bool:
@@ -202,45 +200,39 @@ def has_post_accumulate_grad_hooks(param) -> bool:
     return bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
-# ---- Inductor --------------------------------------------------------------------------------------------
+# ---- tensor and placement kinds ----------------------------------------------------------------------------
 
-INDUCTOR_PRE_GRAD_SLOT = "pre_grad_custom_pass"  # the graph Dynamo hands Inductor (torch-level ops), before autograd
-INDUCTOR_POST_GRAD_SLOT = "post_grad_custom_post_pass"  # forward and backward aten graphs, after Inductor's passes
-INDUCTOR_PASS_SLOTS = (INDUCTOR_PRE_GRAD_SLOT, INDUCTOR_POST_GRAD_SLOT)
+_TENSOR = torch.Tensor
 
 
-def inductor_loaded() -> bool:
-    """Whether Inductor's config is imported (importing it costs ~1.3 s; Dynamo imports it before it traces)."""
-    import sys
-
-    return "torch._inductor.config" in sys.modules
-
-
-def inductor_graph_pass_base() -> type:
-    """`CustomGraphPass`: Inductor's base class for a graph pass, `__call__(graph)` plus `uuid()`, the value its
-    caches (the FX graph cache) key on for what the pass does. Imports Inductor."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    return CustomGraphPass
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (a subclass too). False without a lookup in torch.distributed while its tensor
+    package is not imported: no DTensor exists then."""
+    if type(t) is _TENSOR:  # the eager norm's common case (its host time), before the lookups
+        return False
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
-def inductor_graph_pass(slot: str):
-    """What Inductor runs at `slot` (one of `INDUCTOR_PASS_SLOTS`): None, a pass, or a list of passes."""
-    return getattr(_inductor_config(slot), slot)
+def is_pending_collective(t) -> bool:
+    """Whether `t` is a functional collective's result not waited on yet (`AsyncCollectiveTensor`: sequence
+    parallel's norm input and grads); `t.wait()` gives the plain tensor once the collective has written it."""
+    cls = getattr(sys.modules.get("torch.distributed._functional_collectives"), "AsyncCollectiveTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
-def set_inductor_graph_pass(slot: str, graph_pass) -> None:
-    """Set Inductor's pass at `slot`. Torch 2.13 keeps a config value set in code per thread (the calling thread's,
-    handed to the autograd threads its backward runs in)."""
-    setattr(_inductor_config(slot), slot, graph_pass)
+def is_block_shard(placement) -> bool:
+    """Whether `placement` is `Shard(d)`: dim d cut into one contiguous block per rank. Not `_StridedShard`
+    (FSDP2 over tensor parallelism: blocks interleaved), which is a `Shard` whose `is_shard()` is true on torch 2.11
+    and neither on 2.13."""
+    return placement.is_shard() and not isinstance(placement, _strided_shard_class())
 
 
-def _inductor_config(slot: str):
-    if slot not in INDUCTOR_PASS_SLOTS:
-        raise ValueError(f"slot must be one of {INDUCTOR_PASS_SLOTS}, got {slot!r}")
-    import torch._inductor.config as config
+@functools.cache
+def _strided_shard_class() -> type:
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return config
+    return _StridedShard
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ._torch_compat import module_hooks
+from ._torch_compat import is_dtensor, module_hooks
 from .modules import LayerNorm, RMSNorm
 from .norm_families import KNOWN, Extra, NormFamily, lookup, mismatch
 
@@ -82,7 +82,7 @@ def wrappers_of(module: torch.nn.Module) -> list:
         found.append(f"a per-instance forward ({_hook_name(module.__dict__['forward'])})")
     found += [f"a {what} ({_hook_name(h)})" for what, h in module_hooks(module)]
     for name, p in module.named_parameters(recurse=False):
-        if any(c.__name__ == "DTensor" for c in type(p).__mro__):
+        if is_dtensor(p):
             found.append(f"a DTensor parameter {name!r} (placements {tuple(p.placements)})")
     return found
 

@@ -14,15 +14,12 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._torch_compat import is_dtensor
 from .rows import as_param as _flat
 from .rows import as_rows as _rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ShapeLike = Union[int, Sequence[int], torch.Size]
-
-
-def _is_dtensor(t: Optional[Tensor]) -> bool:
-    return t is not None and type(t).__name__ == "DTensor"
 
 
 def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
@@ -67,11 +64,14 @@ def resolve_eps(eps: Optional[float], dtype: torch.dtype) -> float:
 
 
 def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool, zero_centered: bool):
+    """eps: a number (a caller that keeps the value, the module with keep_output=False, resolves it once and passes
+    it), or None for `resolve_eps`'s default."""
     shape = normalized_shape if type(normalized_shape) is tuple else \
         (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    eps = resolve_eps(eps, x.dtype)
+    if eps is None:
+        eps = resolve_eps(None, x.dtype)
     _check(x, residual, shape, weight, bias, eps)  # DTensors too: their shapes are the global ones
-    if _is_dtensor(x):
+    if is_dtensor(x):
         from .distributed.dtensor import norm_dtensor
 
         return norm_dtensor(x, weight, bias, residual, eps, rms, zero_centered, shape)

@@ -24,7 +24,7 @@ class _FusedNorm:
 
     The forward reads registered parameters from `_parameters` (what `self.weight` resolves to, minus
     nn.Module.__getattr__'s 1.5-3 us); a weight held otherwise (a parametrization's property, FSDP1's
-    plain-tensor views) goes through attribute lookup as before. RMSNorm has no bias unless one is
+    plain-tensor views) goes through attribute lookup. RMSNorm has no bias unless one is
     registered."""
 
     zero_centered_gamma: bool = False
@@ -46,10 +46,14 @@ class _FusedNorm:
         bias = params["bias"] if "bias" in params else None if self._rms else getattr(self, "bias", None)
         if not self._keep_output and residual is None and torch.compiler.is_compiling():
             return output_recompute.compiled_norm(self._norm, x, weight, bias)
-        y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms, self.zero_centered_gamma)
-        if not self._keep_output:
-            output_recompute.track(self, y, x if residual is None else z, weight, bias, F.resolve_eps(self.eps, x.dtype),
-                                   self._rms, self.zero_centered_gamma, math.prod(self.normalized_shape))
+        if self._keep_output:
+            y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms,
+                           self.zero_centered_gamma)
+        else:
+            eps = F.resolve_eps(self.eps, x.dtype)
+            y, z = F._norm(x, residual, self.normalized_shape, weight, bias, eps, self._rms, self.zero_centered_gamma)
+            output_recompute.track(self, y, x if residual is None else z, weight, bias, eps, self._rms,
+                                   self.zero_centered_gamma, math.prod(self.normalized_shape))
         return y if residual is None else (y, z)
 
     def _norm(self, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:

@@ -14,12 +14,11 @@ sees the norm as one op (`shardnorm.norm_fwd`) rather than the kernels' output a
 checkpointing's policy can save or recompute it as a whole.
 
 `norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
-`norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy2=None, dy3=None) -> (dx, dw, db)` work
-on 2-D [M, N] tensors whose last dim is contiguous. The norm's grad is dy (+ dy2 (+ dy3)): under torch.compile,
-`compile_fusion` hands the backward the terms of a grad sum (q, k and v's input grads) instead of an add kernel's
-result. Absent outputs (z without a residual, mean for RMSNorm, dw/db without weight/bias) are None from the backends
-and empty tensors from the ops. dw/db come in the weight's dtype: the kernel's fp32 partial sums, reduced in fp32 in
-a fixed order, rounded once.
+`norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)` work on 2-D [M, N]
+tensors whose last dim is contiguous. Absent outputs (z without a residual, mean for RMSNorm, dw/db without
+weight/bias) are None from the backends (kernels and reference) and empty tensors from the custom ops, whose schema
+returns Tensors. dw/db come in the weight's dtype: the kernel's fp32 partial sums, reduced in fp32 in a fixed order,
+rounded once.
 
 A backward run with grad mode on (`create_graph=True`, e.g. a gradient penalty) computes the grads with
 differentiable torch ops from the saved input instead of the kernels, so second-order grads are torch's.
@@ -72,12 +71,10 @@ def _forward(x, weight, bias, residual, eps, rms, zero_centered):
     return _backend(x).norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
 
 
-def _backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy_terms=()):
+def _backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
     dy = dy.contiguous() if dy.stride()[-1] != 1 else dy
     dz = dz.contiguous() if dz is not None and dz.stride()[-1] != 1 else dz
-    if dy_terms and any(t.stride() != dy.stride() for t in dy_terms):  # the kernel reads all with one stride
-        dy, dy_terms = dy.contiguous(), tuple(t.contiguous() for t in dy_terms)
-    return _backend(src).norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy_terms)
+    return _backend(src).norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
 
 
 def _save(ctx, x, weight, bias, residual, eps, rms, zero_centered, output) -> None:
@@ -110,9 +107,6 @@ def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residu
 
 @norm_fwd.register_fake
 def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
-    from . import compile_fusion  # traced for torch.compile (only then): SHARDNORM_COMPILE_FUSION=1 enables its passes
-
-    compile_fusion.enable_if_requested()
     M, N = x.shape
     z = x.new_empty((M, N), dtype=torch.result_type(x, residual)) if residual is not None else x.new_empty(0)
     stats = lambda rows: x.new_empty(rows, dtype=torch.float32)  # noqa: E731
@@ -121,19 +115,13 @@ def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
 
 @torch.library.custom_op("shardnorm::norm_bwd", mutates_args=())
 def norm_bwd(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
-             rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool, dy2: Optional[Tensor] = None,
-             dy3: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    dy_terms = tuple(t for t in (dy2, dy3) if t is not None)
-    for name, term in zip(("dy2", "dy3"), (dy2, dy3)):
-        if term is not None and term.shape != dy.shape:
-            raise ValueError(f"shardnorm::norm_bwd: {name} has shape {tuple(term.shape)}, dy {tuple(dy.shape)}")
-    _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd, dy2=dy2, dy3=dy3)
-    return _present(_backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy_terms),
-                    rstd)
+             rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor]:
+    _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd)
+    return _present(_backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
 
 
 @norm_bwd.register_fake
-def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, dy2=None, dy3=None):
+def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
     N = src.shape[1]
     dtype = weight.dtype if weight is not None else torch.float32
     grad = lambda present: src.new_empty(N if present else 0, dtype=dtype)  # noqa: E731
@@ -151,18 +139,18 @@ torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _
 # ---- eager: the autograd.Function ----------------------------------------------------------------------------
 
 _PLAIN = (Tensor, torch.nn.Parameter, type(None))
-_PENDING = "AsyncCollectiveTensor"  # a functional collective's result (sequence parallel's norm input and grads)
+_is_pending = _torch_compat.is_pending_collective
 
 
 def _ready(t: Optional[Tensor]) -> Optional[Tensor]:
     """The plain tensor behind a collective's pending result, waited on (the kernels must not read a buffer that a
     collective is still writing); other tensors as they are."""
-    return t.wait() if type(t).__name__ == _PENDING else t
+    return t.wait() if type(t) not in _PLAIN and _is_pending(t) else t
 
 
 def _eager_ok(*tensors) -> bool:
     for t in tensors:  # a loop, not all(<genexpr>): ~0.5 us of host time per call
-        if type(t) not in _PLAIN and type(t).__name__ != _PENDING:
+        if type(t) not in _PLAIN and not _is_pending(t):
             return False
     return True
 

@@ -1,6 +1,7 @@
 """The same math as the Triton kernels in plain torch (fp32): the CPU backend.
 
-Same signatures and outputs as `kernels.norm_fwd` / `kernels.norm_bwd`, so `ops` can pick either.
+Same signatures and outputs as `kernels.norm_fwd` / `kernels.norm_bwd` (absent outputs are None), so `ops` can
+pick either.
 """
 
 import torch
@@ -11,17 +12,18 @@ def _xhat(src, mean, rstd, rms: bool):
     return x * rstd[:, None] if rms else (x - mean[:, None]) * rstd[:, None]
 
 
-def _scale(weight, zero_centered: bool):
+def scale(weight, zero_centered: bool):
+    """What y is multiplied by, in fp32: the weight, or 1 + weight with zero-centered gamma."""
     w = weight.float()
     return w + 1.0 if zero_centered else w
 
 
 def statistics(src, eps: float, rms: bool):
-    """(mean, rstd) of each row in fp32; mean is empty for RMSNorm. Differentiable: the backward's create_graph
+    """(mean, rstd) of each row in fp32; mean is None for RMSNorm. Differentiable: the backward's create_graph
     path recomputes them from the saved input."""
     xf = src.float()
     if rms:
-        return xf.new_empty(0), torch.rsqrt(xf.square().mean(-1) + eps)
+        return None, torch.rsqrt(xf.square().mean(-1) + eps)
     mean = xf.mean(-1)
     return mean, torch.rsqrt((xf - mean[:, None]).square().mean(-1) + eps)
 
@@ -31,23 +33,21 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
         z = x + residual
         src = z
     else:
-        z, src = x.new_empty(0), x
+        z, src = None, x
     mean, rstd = statistics(src, eps, rms)
     y = _xhat(src, mean, rstd, rms)
     if weight is not None:
-        y = y * _scale(weight, zero_centered)
+        y = y * scale(weight, zero_centered)
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
     return y, z, mean, rstd
 
 
-def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool, dy_terms: tuple = ()):
+def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
     xhat = _xhat(src, mean, rstd, rms)
     dyf = dy.float()
-    for term in dy_terms:
-        dyf = dyf + term.float()
-    wdy = dyf * _scale(weight, zero_centered) if weight is not None else dyf
+    wdy = dyf * scale(weight, zero_centered) if weight is not None else dyf
     n = src.shape[-1]
     dx = wdy - xhat * ((xhat * wdy).sum(-1, keepdim=True) / n)
     if not rms:
@@ -59,6 +59,6 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     if dz is not None:
         dx = dx + dz.float()
     param_dtype = weight.dtype if weight is not None else torch.float32
-    dweight = (dyf * xhat).sum(0).to(param_dtype) if weight is not None else dyf.new_empty(0)
-    dbias = dyf.sum(0).to(param_dtype) if has_bias else dyf.new_empty(0)
+    dweight = (dyf * xhat).sum(0).to(param_dtype) if weight is not None else None
+    dbias = dyf.sum(0).to(param_dtype) if has_bias else None
     return dx.to(src.dtype), dweight, dbias

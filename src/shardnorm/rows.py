@@ -1,6 +1,6 @@
 """The shapes the norm ops take: [M, N] rows whose last dim is contiguous, and parameters as 1-D unit-stride
 vectors of N. The kernels read raw addresses with those strides, so every caller of the ops shapes its tensors
-here (functional calls, the output recompute, the Inductor pass that fuses a residual add)."""
+here (functional calls, the output recompute)."""
 
 from typing import Optional
 

@@ -3,7 +3,6 @@
 | variable | values | default | effect |
 |---|---|---|---|
 | `SHARDNORM_BACKEND` | `triton`, `torch` | by device | `triton` runs the kernels (CPU tensors need `TRITON_INTERPRET=1`), `torch` the pure-torch reference math; unset: CUDA tensors take Triton, others torch |
-| `SHARDNORM_COMPILE_FUSION` | `1`, `0` | `0` | `1`: `compile_fusion.enable()` the first time Inductor traces a norm (its passes fold residual adds and grad sums into the norm's kernels); `0`: only an explicit `enable()` installs them |
 | `SHARDNORM_PORTABLE_KERNELS` | `1`, `0` | `0` | `1`: long rows take the portable Triton kernels on every GPU, not a GPU family's specialized ones (Hopper's staged kernels); for A/B benchmarks. Each call picks its kernel plan by it |
 
 A bad value raises a `ValueError` naming the variable, at the first call that reads it. The values are read
@@ -20,7 +19,6 @@ _BOOL = {"1": True, "true": True, "on": True, "0": False, "false": False, "off":
 @dataclasses.dataclass(frozen=True)
 class Settings:
     backend: Optional[str] = None  # None: by the tensor's device
-    compile_fusion: bool = False
     portable_kernels: bool = False
 
 
@@ -41,7 +39,6 @@ def _flag(name: str, default: bool) -> bool:
 
 def _read() -> Settings:
     return Settings(backend=_choice("SHARDNORM_BACKEND", ("triton", "torch"), None),
-                    compile_fusion=_flag("SHARDNORM_COMPILE_FUSION", False),
                     portable_kernels=_flag("SHARDNORM_PORTABLE_KERNELS", False))
 
 

@@ -15,10 +15,7 @@ Backward all-reduces the two per-row sums that dx needs.
 import torch
 import torch.distributed as dist
 
-
-def _scale(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
-    w = weight.float()
-    return w + 1.0 if zero_centered else w
+from ..reference import scale
 
 
 def _normalized(xf, shift, offset, rstd):
@@ -73,7 +70,7 @@ class HiddenShardedNorm(torch.autograd.Function):
         rstd = torch.rsqrt(var + eps)
         y = _normalized(xf, shift, offset, rstd)
         if weight is not None:
-            y = y * _scale(weight, zero_centered)
+            y = y * scale(weight, zero_centered)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x, weight, shift, offset, rstd)
@@ -85,7 +82,7 @@ class HiddenShardedNorm(torch.autograd.Function):
         x, weight, shift, offset, rstd = ctx.saved_tensors
         dyf = dy.float()
         xhat = _normalized(x.float(), shift, offset, rstd)
-        g = dyf if weight is None else dyf * _scale(weight, ctx.zero_centered)
+        g = dyf if weight is None else dyf * scale(weight, ctx.zero_centered)
         sums = (g * xhat).sum(-1, keepdim=True)
         if shift is not None:
             sums = torch.cat([sums, g.sum(-1, keepdim=True)], dim=-1)

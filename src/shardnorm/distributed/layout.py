@@ -16,6 +16,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from .._torch_compat import is_block_shard
+
 
 @dataclass(frozen=True)
 class NormLayout:
@@ -54,7 +56,7 @@ def _classify(mesh: DeviceMesh, placements: tuple, ndim: int, normalized_ndim: i
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Replicate):
             param_placements.append(Replicate())
-        elif p.is_shard() and getattr(p, "split_factor", 1) == 1:  # not a _StridedShard
+        elif is_block_shard(p):
             dim = p.dim % ndim
             if dim < first_normalized:
                 token_dims.append(mesh_dim)

@@ -13,12 +13,14 @@ cached kernel is never reused where Triton would have specialized differently. T
 
 A cached launch passes the tensors themselves, as JITFunction.run does: Triton's C launcher calls each one's
 `data_ptr()` and asks the driver (`cuPointerGetAttribute`) whether the memory is on a GPU, so a host tensor
-raises instead of being read as device memory. Passing their addresses instead was no faster and gave up that
-check (H100, two interleaved runs of `python benchmarks/host_time.py --out OUT` each way: the tensors were 1.2 us
-quicker per forward and 16 us per forward+backward, medians over shardnorm's rows, i.e. within the host's
-noise). Tensors on another GPU are caught before: `functional._check` checks the forward's (weight, bias,
+raises instead of being read as device memory. Passing their addresses would give up that check for no
+measurable host time (H100, `python benchmarks/host_time.py --out OUT` run both ways, interleaved: within the
+host's noise). Tensors on another GPU are caught before: `functional._check` checks the forward's (weight, bias,
 residual against x), the autograd engine a backward's incoming grads, and the custom ops their arguments
 (`ops._check_devices`).
+
+`triton_specialization` asks Triton's own binder what it specializes a launch on (tests/test_launch.py holds the
+cache key to it); Triton's internals stay in this file.
 """
 
 import operator
@@ -100,6 +102,17 @@ class Launcher:
         else:  # building launch metadata nobody reads costs as much as the launch
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
                          *self.trailing)
+
+
+def triton_specialization(kernel: JITFunction, target, args: tuple, constexprs: dict) -> tuple:
+    """What JITFunction.run keys a compiled kernel on for a launch of `kernel` with runtime `args` (constexprs
+    aside) on `target` (a `triton.backends.compiler.GPUTarget`; no GPU needed): one (type, attribute) per
+    argument, e.g. ("*bf16", "D") for a 16-byte aligned bf16 tensor, ("constexpr", 1) for the int 1."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(target))
+    return tuple(binder(*args, **constexprs)[1][:len(args)])
 
 
 def _installed(hook) -> bool:

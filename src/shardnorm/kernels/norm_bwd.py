@@ -21,21 +21,19 @@ import triton
 import triton.language as tl
 
 from . import config
-from .bwd_tiles import (_accumulate, _column_program, _load_tile, _program_state, _row_tile, _store_dx, _store_partials,
-                        _tile_values)
+from .bwd_tiles import _accumulate, _column_program, _program_state, _row_tile, _store_dx, _store_partials
 from .launch import Launcher
 
 
 @triton.jit(do_not_specialize=["M"])
-def norm_bwd_kernel(SRC, DY, DY2, DY3, DZ, W, MEAN, RSTD, DX, DW_OUT, DB_OUT,
+def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, DW_OUT, DB_OUT,
                     stride_src, stride_dy, stride_dz, M, N,
                     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr, DY_TERMS: tl.constexpr,
+                    HAS_DZ: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_STAGES: tl.constexpr,
                     HOIST_PARAMS: tl.constexpr, DIRECT_GRADS: tl.constexpr):
     """One pass: whole rows in registers (the tile `cols` and, with TAIL_N, the narrower tile after
-    it), dgamma/dbeta accumulated across row blocks. dy is the sum of DY_TERMS tensors (DY, DY2, DY3,
-    one stride), added in fp32 here rather than by an add kernel that writes the sum and reads it back.
+    it), dgamma/dbeta accumulated across row blocks.
     DW_OUT and DB_OUT: the partial buffer (both), or with DIRECT_GRADS (one program) dgamma and dbeta."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -47,15 +45,15 @@ def norm_bwd_kernel(SRC, DY, DY2, DY3, DZ, W, MEAN, RSTD, DX, DW_OUT, DB_OUT,
         tail_w, tail_dw, tail_db = _program_state(W, tail_cols, tail_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS,
                                                   BLOCK_M, TAIL_N)
     for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
-        rows64, row_mask, mask, xhat, dy, wdy, rstd = _summed_row_tile(
-            SRC, DY, DY2, DY3, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-            IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, DY_TERMS)
+        rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
+            SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
+            IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
         sum_xwdy = tl.sum(xhat * wdy, axis=1)
         sum_wdy = tl.sum(wdy, axis=1)
         if TAIL_N > 0:
-            _, _, tail_tile_mask, tail_xhat, tail_dy, tail_wdy, _ = _summed_row_tile(
-                SRC, DY, DY2, DY3, W, tail_w, MEAN, RSTD, block, tail_cols, tail_mask, M, stride_src, stride_dy,
-                BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, DY_TERMS)
+            _, _, tail_tile_mask, tail_xhat, tail_dy, tail_wdy, _ = _row_tile(
+                SRC, DY, W, tail_w, MEAN, RSTD, block, tail_cols, tail_mask, M, stride_src, stride_dy,
+                BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
             sum_xwdy += tl.sum(tail_xhat * tail_wdy, axis=1)
             sum_wdy += tl.sum(tail_wdy, axis=1)
         c1 = sum_xwdy / N
@@ -85,23 +83,6 @@ def _store_grads(dw_acc, db_acc, DW_OUT, DB_OUT, pid, cols, col_mask, N, HAS_WEI
             tl.store(DB_OUT + cols, tl.sum(db_acc, axis=0).to(DB_OUT.dtype.element_ty), mask=col_mask)
     else:
         _store_partials(dw_acc, db_acc, DW_OUT, pid, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
-
-
-@triton.jit
-def _summed_row_tile(SRC, DY, DY2, DY3, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy,
-                     BLOCK_M: tl.constexpr, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                     ZERO_CENTERED: tl.constexpr, PARAMS_LOADED: tl.constexpr, DY_TERMS: tl.constexpr):
-    """`_row_tile` whose dy is DY + DY2 (+ DY3) for DY_TERMS 2 (3), in fp32, in that order."""
-    rows64, row_mask, mask, x, dy, mean, rstd = _load_tile(SRC, DY, MEAN, RSTD, block, cols, col_mask, M, stride_src,
-                                                           stride_dy, BLOCK_M, IS_RMS)
-    if DY_TERMS > 1:
-        at = rows64[:, None] * stride_dy + cols[None, :]
-        dy = dy.to(tl.float32) + tl.load(DY2 + at, mask=mask, other=0.0).to(tl.float32)
-        if DY_TERMS > 2:
-            dy += tl.load(DY3 + at, mask=mask, other=0.0).to(tl.float32)
-    xhat, dy, wdy = _tile_values(x, dy, mean, rstd, mask, W, w, cols, col_mask, IS_RMS, HAS_WEIGHT, ZERO_CENTERED,
-                                 PARAMS_LOADED)
-    return rows64, row_mask, mask, xhat, dy, wdy, rstd
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -168,28 +149,27 @@ def column_sum_kernel(PARTIAL, OUT_W, OUT_B, P, N, K, BLOCK_P: tl.constexpr, BLO
     tl.store(out, tl.sum(acc, axis=0).to(OUT_W.dtype.element_ty), mask=col_mask)
 
 
-def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool, dy_terms: tuple = ()):
+def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
     """Launch the backward on 2-D tensors. Returns dx (src's dtype) and dweight, dbias in the
-    weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias.
-    `dy_terms`: up to two more [M, N] tensors with dy's strides; the grad is their sum with dy."""
+    weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias."""
     device = src.device
     n = src.shape[1]
     kernels = config.specialized(device) if n >= config.MIN_LONG_N_BWD else ""  # short rows: one pass either way
     plan = _plan(n, weight.dtype if weight is not None else None, has_bias, dz is not None, rms, zero_centered,
-                 device, kernels, 1 + len(dy_terms))
-    return plan(dy, dz, src, weight, mean, rstd, dy_terms)
+                 device, kernels)
+    return plan(dy, dz, src, weight, mean, rstd)
 
 
-def _stageable(src, dy, weight, dy_terms) -> bool:
-    """What the staged backward needs of a call: x and dy its copies take (`config.staged_rows`), one dy
-    (terms are summed in fp32 first), a 16-byte aligned weight (it is copied too)."""
-    return not dy_terms and config.staged_rows(src, dy) and config.staged_params(weight)
+def _stageable(src, dy, weight) -> bool:
+    """What the staged backward needs of a call: x and dy its copies take (`config.staged_rows`), a
+    16-byte aligned weight (it is copied too)."""
+    return config.staged_rows(src, dy) and config.staged_params(weight)
 
 
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_centered: bool, device,
-          kernels: str = "", dy_terms: int = 1) -> "_BwdPlan":
-    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, kernels, dy_terms)
+          kernels: str = "") -> "_BwdPlan":
+    return _BwdPlan(n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, kernels)
 
 
 class _BwdPlan:
@@ -199,7 +179,7 @@ class _BwdPlan:
     kernels: `config.specialized(device)`; a staged plan hands the calls its copies cannot take
     (`_stageable`) to the portable plan of the same shape."""
 
-    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, kernels, dy_terms):
+    def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, kernels):
         has_weight = weight_dtype is not None
         self.n = n
         self.has_bias, self.row_sum_kinds = has_bias, 1 if rms else 2  # LayerNorm: two sums per row
@@ -216,7 +196,7 @@ class _BwdPlan:
 
             cfg = self.cfg
             self.portable = functools.partial(_plan, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device,
-                                              "", dy_terms)
+                                              "")
             self.slices = config.cdiv(n, cfg.slice_n)
             self.exchange_words = exchange_words
             self.staged = Launcher(staged_slices_bwd_kernel, cfg.num_warps, cooperative=True, derived=(6, 7),
@@ -234,8 +214,7 @@ class _BwdPlan:
                                BLOCK_N=dx.block_n, SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
         else:
             cfg = self.cfg
-            unused_dy = (2, 3)[dy_terms - 1:]  # absent terms are dy again: keyed by dy already
-            fused = dict(derived=(*unused_dy, 8, 9, 10), HAS_BIAS=has_bias, HAS_DZ=has_dz, DY_TERMS=dy_terms,
+            fused = dict(derived=(6, 7, 8), HAS_BIAS=has_bias, HAS_DZ=has_dz,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
                          HOIST_PARAMS=cfg.hoist_params, **flags)
             self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, DIRECT_GRADS=False, **fused)
@@ -259,13 +238,11 @@ class _BwdPlan:
         dx_tiles = config.cdiv(M, self.cfg.dx.block_m) * config.cdiv(N, self.cfg.dx.block_n) if self.split else 0
         return config.partial_rows(self.cfg, M, N, self.sms), dx_tiles, False
 
-    def __call__(self, dy, dz, src, weight, mean, rstd, dy_terms=()):
+    def __call__(self, dy, dz, src, weight, mean, rstd):
         M, N = src.shape
         staged = isinstance(self.cfg, config.StagedConfig)
-        if staged and not (M and _stageable(src, dy, weight, dy_terms)):
-            return self.portable()(dy, dz, src, weight, mean, rstd, dy_terms)  # (no rows: zero partials there)
-        if dy_terms and not self.one_pass:  # long rows: the split kernels read one dy (fp32)
-            dy = sum((t.float() for t in dy_terms), dy.float())
+        if staged and not (M and _stageable(src, dy, weight)):
+            return self.portable()(dy, dz, src, weight, mean, rstd)  # (no rows: zero partials there)
         device = src.device
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
         num_grads = self.num_grads
@@ -289,10 +266,8 @@ class _BwdPlan:
                 self.dx((dx_tiles,), src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride()[0], dy.stride()[0],
                         dz_stride, M, N, self.sum_tiles)
         elif M or num_grads:
-            dy2 = dy_terms[0] if dy_terms else dy
-            dy3 = dy_terms[1] if len(dy_terms) > 1 else dy
             launch, grads = (self.direct, (dweight, dbias)) if direct else (self.fused, (partial, partial))
-            launch((partial_rows,), src, dy, dy2, dy3, dz, weight, mean, rstd, dx, *grads, src.stride()[0],
+            launch((partial_rows,), src, dy, dz, weight, mean, rstd, dx, *grads, src.stride()[0],
                    dy.stride()[0], dz_stride, M, N)
         if not num_grads or direct:
             return dx, dweight, dbias

@@ -1,6 +1,6 @@
 """Norm-grad reduction under tensor/sequence parallelism: shardnorm's bucketed reducer vs torch.
 
-    PYTHONPATH=src:. torchrun --standalone --nproc-per-node 2 parallel/bench_sp_norm_grads.py --out sp.json
+    PYTHONPATH=src:. torchrun --standalone --nproc-per-node 2 benchmarks/bench_sp_norm_grads.py --out sp.json
 
 A stack of pre-norm blocks (norm -> column/row-split linear pair, twice per block, Megatron-style
 sequence parallelism on a 1-D tp mesh), timed over steps of `--micro-batches` forward/backward passes.

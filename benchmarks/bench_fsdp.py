@@ -1,8 +1,8 @@
 """FSDP2 × TP with shardnorm vs torch's native norms: step time, peak memory, norm-grad all-reduces.
 
-    torchrun --standalone --nproc-per-node 2 -m parallel.bench_fsdp configs/llama_small_fsdp_tp.toml \
-        --out benchmarks/fsdp_tp.json
-    torchrun --standalone --nproc-per-node 2 -m parallel.bench_fsdp configs/tiny_cpu.toml \
+    PYTHONPATH=src:. torchrun --standalone --nproc-per-node 2 benchmarks/bench_fsdp.py configs/llama_small_fsdp_tp.toml \
+        --out fsdp_tp.json
+    PYTHONPATH=src:. torchrun --standalone --nproc-per-node 2 benchmarks/bench_fsdp.py configs/tiny_cpu.toml \
         train.steps=3 train.timing_skip=1 --out /tmp/fsdp.json                      # CPU smoke run
 
 Per norm (`--norm shardnorm|torch|both`) the main job's model, engine and data (parallel.train's
@@ -22,29 +22,12 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallel.collectives import AllReduceCounter
 from parallel.config import ConfigError, parse_args
 from parallel.data import BatchSampler, load_tokens
 from parallel.runtime import init_runtime, shutdown
 from parallel.train import build_engine
-
-
-class AllReduceCounter(TorchDispatchMode):
-    """All-reduces issued (eager c10d or functional, as DTensor's redistribute issues them) and bytes."""
-
-    OPS = (torch.ops.c10d.allreduce_, torch.ops._c10d_functional.all_reduce)
-
-    def __init__(self):
-        super().__init__()
-        self.count = self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in self.OPS:
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            self.count += 1
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **(kwargs or {}))
 
 
 def run(cfg, runtime, dp: int, tp: int) -> dict:
