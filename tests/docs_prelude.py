@@ -64,7 +64,7 @@ def lazy_names(code: str, root: str) -> dict:
         from transformers import AutoModelForCausalLM
 
         names["AutoModelForCausalLM"] = AutoModelForCausalLM
-    if re.search(r"\btrainer\b", code) and not re.search(r"\btrainer\s*=", code):
+    if re.search(r"\btrainer\b", _without_comments(code)) and not re.search(r"\btrainer\s*=", code):
         names["trainer"] = tiny_trainer(root)
     if "**batch" in code:
         data = Tokens()
@@ -73,7 +73,11 @@ def lazy_names(code: str, root: str) -> dict:
 
 
 def uses_path(code: str) -> bool:
-    return re.search(r"\bpath\b", code) is not None
+    return re.search(r"\bpath\b", _without_comments(code)) is not None
+
+
+def _without_comments(code: str) -> str:
+    return re.sub(r"#.*", "", code)
 
 
 class cuda_as_cpu(TorchFunctionMode):
@@ -131,7 +135,7 @@ def tiny_trainer(root: str):
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     args = TrainingArguments(output_dir=f"{root}/trainer", max_steps=1, per_device_train_batch_size=2,
-                             report_to=[], use_cpu=not torch.cuda.is_available())
+                             report_to=[])
     return Trainer(model=AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir(root)), args=args,
                    train_dataset=Tokens())
 
