@@ -7,6 +7,7 @@ there is no GPU (`cuda_as_cpu`), so the examples stay what a GPU user pastes.
 """
 
 import contextlib
+import os
 import re
 import types
 
@@ -53,19 +54,49 @@ class Model(nn.Module):
 
 
 def lazy_names(code: str, root: str) -> dict:
-    """Placeholders that cost an import or a file, bound only where the example mentions them."""
+    """Placeholders that cost an import or a file, bound only where the example mentions them:
+    `path` (a tiny Qwen3 checkpoint), `trainer` (a Trainer on it, where the example uses one it did not
+    build) and, where the example calls `model(**batch)`, `micro_batches` of token dicts."""
     names = {}
-    if re.search(r"\bpath\b", code):
+    if uses_path(code):
         names["path"] = tiny_hf_model_dir(root)
     if "AutoModelForCausalLM" in code:
         from transformers import AutoModelForCausalLM
 
         names["AutoModelForCausalLM"] = AutoModelForCausalLM
+    if re.search(r"\btrainer\b", _without_comments(code)) and not re.search(r"\btrainer\s*=", code):
+        names["trainer"] = tiny_trainer(root)
+    if "**batch" in code:
+        data = Tokens()
+        names["micro_batches"] = [torch.utils.data.default_collate([data[i], data[i + 1]]) for i in (0, 2)]
     return names
 
 
+def uses_path(code: str) -> bool:
+    return re.search(r"\bpath\b", _without_comments(code)) is not None
+
+
+def _without_comments(code: str) -> str:
+    return re.sub(r"#.*", "", code)
+
+
 class cuda_as_cpu(TorchFunctionMode):
-    """Tensors and modules asked for on "cuda" land on the CPU (machines without a GPU run the GPU examples)."""
+    """Tensors and modules asked for on "cuda" land on the CPU (machines without a GPU run the GPU examples),
+    and so do device meshes (`init_device_mesh("cuda", ...)`: a CPU mesh over the gloo group)."""
+
+    def __enter__(self):
+        import torch.distributed.device_mesh as device_mesh
+
+        self._init_device_mesh = init_device_mesh = device_mesh.init_device_mesh
+        device_mesh.init_device_mesh = lambda device_type, *args, **kwargs: init_device_mesh(
+            "cpu" if _is_cuda(device_type) else device_type, *args, **kwargs)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import torch.distributed.device_mesh as device_mesh
+
+        device_mesh.init_device_mesh = self._init_device_mesh
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -84,15 +115,29 @@ def _is_cuda(device) -> bool:
 
 
 def tiny_hf_model_dir(root: str) -> str:
-    """A tiny Llama saved with save_pretrained (no download): what `from_pretrained(path)` loads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A tiny Qwen3 (per-head q/k norms, which `tp_plan` shards) saved with save_pretrained (no download): what
+    `from_pretrained(path)` loads. Written once per `root`."""
+    path = f"{root}/tiny-qwen3"
+    if os.path.exists(f"{path}/config.json"):
+        return path
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    path = f"{root}/tiny-llama"
-    LlamaForCausalLM(config).save_pretrained(path)
+    config = Qwen3Config(vocab_size=64, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                         tie_word_embeddings=False)
+    Qwen3ForCausalLM(config).save_pretrained(path)
     return path
+
+
+def tiny_trainer(root: str):
+    """A Trainer on the tiny checkpoint, one step, for the examples that take `trainer` as given."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=f"{root}/trainer", max_steps=1, per_device_train_batch_size=2,
+                             report_to=[])
+    return Trainer(model=AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir(root)), args=args,
+                   train_dataset=Tokens())
 
 
 class Tokens(torch.utils.data.Dataset):

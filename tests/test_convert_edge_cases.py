@@ -195,6 +195,19 @@ def test_near_miss_section_name_warns(name):
     assert type(model[0]) is nn.LayerNorm
 
 
+@pytest.mark.parametrize("name", ["shard_norm", "ShardNorm"])
+def test_transformers_adapter_warns_on_a_near_miss_section(name):
+    """convert_model / enable(trainer) read the DeepSpeed config too: a misspelled section is named there."""
+    pytest.importorskip("transformers")
+    from shardnorm.integrations.transformers import convert_model
+
+    model = nn.Sequential(nn.LayerNorm(8))
+    config = {"zero_optimization": {"stage": 2}, name: {"enabled": False}}
+    with pytest.warns(UserWarning, match=f"no \"shardnorm\" section but has '{name}'"):
+        assert convert_model(model, deepspeed_config=config) is model
+    assert type(model[0]) is shardnorm.LayerNorm  # no section: the defaults convert
+
+
 def test_unrelated_sections_do_not_warn(recwarn):
     sd.apply(nn.Sequential(nn.LayerNorm(8)), {"zero_optimization": {"stage": 2}, "sparse_attention": {},
                                                "tensor_parallel": {}, "steps_per_print": 1})

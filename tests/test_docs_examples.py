@@ -4,10 +4,12 @@ The blocks are read from the markdown at collection time (whatever exists then),
 from `tests/docs_prelude.py` (the placeholders: `x`, `model`, `path`, ...). An HTML comment on the line before a
 fence changes how it runs:
 
-- `<!-- docs-test: ranks=2 -->`: in 2 processes (gloo), with `mesh` (1-D), `dp`, `tp` and `world_size` bound;
+- `<!-- docs-test: ranks=2 -->`: in 2 processes (gloo), with `world_size`, `dp` = 1, `tp` = 2 and `mesh` (2-D,
+  dims ("dp", "tp")) bound; `ranks=2 dp=2` makes dp = 2, tp = 1;
 - `<!-- docs-test: skip REASON -->`: not run; only where running is impossible on CPU (REASON must say why).
 
-`path` (a tiny Llama saved with save_pretrained) is bound where the block mentions it. The examples run in a
+`path` (a tiny Qwen3 saved with save_pretrained, one copy the ranks share), `trainer` and token-dict
+`micro_batches` are bound only where the block needs them (`docs_prelude.lazy_names`). The examples run in a
 temporary directory holding a link to configs/.
 """
 
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 import docs_prelude
-from spawn_ranks import spawn
+from spawn_ranks import DEVICE, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
@@ -65,6 +67,10 @@ def _examples() -> list:
 def test_marker_parsing():
     text = "intro\n\n<!-- docs-test: ranks=2 -->\n```python\na = 1\n```\n  ```python\n  b = 2\n  ```\n"
     assert python_blocks(text) == [(4, "ranks=2", "a = 1\n"), (7, "", "b = 2\n")]
+    assert ranked_options("ranks=2") == {"ranks": 2, "dp": 1}
+    assert ranked_options("ranks=4 dp=2") == {"ranks": 4, "dp": 2}
+    with pytest.raises(AssertionError, match="unknown docs-test options"):
+        ranked_options("ranks=2 pp=2")
 
 
 def _namespace(root: str, code: str, seed: int) -> dict:
@@ -77,18 +83,27 @@ def _run(code: str, name: str, names: dict) -> None:
         exec(compile(code, name, "exec"), names)
 
 
-def _ranked_body(rank, world_size, root, name, code):
-    from torch.distributed.device_mesh import init_device_mesh
+def ranked_options(marker: str) -> dict:
+    """`ranks=N [dp=D]` -> {"ranks": N, "dp": D} (D defaults to 1 and must divide N)."""
+    options = dict(option.split("=", 1) for option in marker.split())
+    assert set(options) <= {"ranks", "dp"}, f"unknown docs-test options in {marker!r}"
+    ranks, dp = int(options["ranks"]), int(options.get("dp", 1))
+    assert ranks % dp == 0, f"docs-test: dp={dp} does not divide ranks={ranks}"
+    return {"ranks": ranks, "dp": dp}
 
-    from spawn_ranks import DEVICE
+
+def _ranked_body(rank, world_size, root, name, code, dp):
+    from torch.distributed.device_mesh import init_device_mesh
 
     if "deepspeed" in code.lower():
         from deepspeed_harness import use_test_device
 
         use_test_device(rank)
-    names = _namespace(f"{root}/rank{rank}", code, seed=0)
-    names.update(mesh=init_device_mesh(DEVICE, (world_size,), mesh_dim_names=("tp",)), world_size=world_size,
-                 dp=1, tp=world_size)
+    # the checkpoint `path` is shared: the test wrote it before the spawn (save_pretrained writes on rank 0 only)
+    names = {**docs_prelude.namespace(f"{root}/rank{rank}", seed=0), **docs_prelude.lazy_names(code, root)}
+    tp = world_size // dp
+    names.update(mesh=init_device_mesh(DEVICE, (dp, tp), mesh_dim_names=("dp", "tp")), world_size=world_size,
+                 dp=dp, tp=tp)
     _run(code, name, names)
 
 
@@ -97,7 +112,12 @@ def test_docs_example_runs(name, marker, code, tmp_path, monkeypatch):
     (tmp_path / "configs").symlink_to(ROOT / "configs")  # the examples name configs/ relative to the checkout
     monkeypatch.chdir(tmp_path)
     if marker.startswith("ranks="):
-        spawn(_ranked_body, int(marker[len("ranks="):]), str(tmp_path), name, code)
+        if DEVICE == "cuda":
+            pytest.skip("the prelude's placeholders are CPU objects (cuda_as_cpu): the ranked examples run on gloo")
+        options = ranked_options(marker)
+        if docs_prelude.uses_path(code):
+            docs_prelude.tiny_hf_model_dir(str(tmp_path))
+        spawn(_ranked_body, options["ranks"], str(tmp_path), name, code, options["dp"])
     else:
         assert not marker, f"{name}: unknown docs-test marker {marker!r}"
         print(f"seed 0: {name}")

@@ -33,6 +33,7 @@ import shardnorm
 from shardnorm._torch_compat import has_post_accumulate_grad_hooks, remove_module_backward_hooks
 from shardnorm.distributed import (SequenceParallelNorm, attach_reducer, process_group_sequence_parallel,
                                    reducer_of)
+from shardnorm.integrations.deepspeed_config import warn_near_miss_sections
 from shardnorm.modules import LayerNorm, RMSNorm
 
 KNOWN_TRANSFORMERS = ((5, 17), (5, 23))  # the versions whose tensor-parallel styles this adapter reads
@@ -192,6 +193,8 @@ def _convert_norms(model: nn.Module, deepspeed_config) -> nn.Module:
         from shardnorm.integrations.deepspeed import apply  # for code that calls deepspeed.initialize itself
 
         return apply(model, deepspeed_config)
+    if deepspeed_config is not None:
+        warn_near_miss_sections(deepspeed_config)
     return shardnorm.convert(model)[0]
 
 
