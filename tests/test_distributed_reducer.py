@@ -400,3 +400,17 @@ def test_accumulate_and_finalize_leave_a_model_without_a_reducer_as_it_was():
             assert set(vars(p)) == param_state[name], f"{name} gained {set(vars(p)) - param_state[name]}"
         for (name, p), r in zip(model.named_parameters(), ref.parameters()):
             assert rel_err(p.grad, r.grad) <= TOL, name
+
+
+def test_attach_reducer_tags_only_the_norm_params():
+    """The reducer's name is carried by the model and by the norm parameters it owns, by nothing else."""
+    from shardnorm.distributed import reducer_of
+    from shardnorm.distributed.grad_sources import REDUCER_ATTR
+
+    model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), NormStack(), nn.Linear(HIDDEN, 2))
+    reducer = attach_reducer(model)
+    assert reducer_of(model) is reducer
+    for name, p in model.named_parameters():
+        owned = name.startswith("1.norms.")
+        assert (getattr(p, REDUCER_ATTR, None) is reducer) == owned, f"{name}: {vars(p)}"
+    assert not any(hasattr(m, REDUCER_ATTR) for m in model.modules() if m is not model)
