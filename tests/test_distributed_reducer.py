@@ -359,12 +359,50 @@ def _accumulate_without_reducer(mesh, seed):
             pass
 
 
+def _partial_grads_source(rank, world_size, seed):
+    """A hook's partial sums in `.grad` (DeepSpeed AutoTP's source): the framework's boundary ends the step, also
+    inside `accumulate`; a zero_grad after a given-up step leaves nothing pending."""
+    from shardnorm.distributed.grad_sources import PartialGrads
+
+    ref, model = _random_pair(seed)
+    model.to(rank_device(rank))
+    boundary = [False]
+    reducer = attach_reducer(model, source=PartialGrads(list(model.parameters()), dist.group.WORLD,
+                                                        boundary=lambda: boundary[0]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def micro_batch(last: bool, scale: float = 1.0):
+        x, dy = torch.randn(2 * world_size, 4, HIDDEN), torch.randn(2 * world_size, 4, HIDDEN)
+        boundary[0] = last
+        (model(x.chunk(world_size)[rank].to(rank_device(rank))) * dy.chunk(world_size)[rank].to(rank_device(rank))
+         * scale).sum().backward()
+        if scale == 1.0:
+            (ref(x) * dy).sum().backward()
+
+    for mb in range(MICRO_BATCHES):  # a loop that wraps every micro-batch in accumulate
+        with shardnorm.accumulate(model):
+            micro_batch(last=mb == MICRO_BATCHES - 1)
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad.cpu(), r.grad) <= TOL, f"partial grads, boundary inside accumulate: {name}"
+    opt.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    micro_batch(last=False, scale=1e3)  # a step given up after its first micro-batch
+    assert reducer.has_pending
+    opt.zero_grad(set_to_none=True)
+    assert not reducer.has_pending, "partial grads: zero_grad left the step pending"
+    for mb in range(MICRO_BATCHES):
+        micro_batch(last=mb == MICRO_BATCHES - 1)
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad.cpu(), r.grad) <= TOL, f"partial grads, step after a given-up one: {name}"
+
+
 def _lifecycle(rank, world_size, seed):
     mesh = init_device_mesh(DEVICE, (world_size,))
     counter = _AllReduceCounter()
     _zero_grad_discards_pending(mesh, seed)
     _step_with_pending_partials(mesh, seed, counter)
     _accumulate_without_reducer(mesh, seed)
+    _partial_grads_source(rank, world_size, seed)
 
 
 def test_pending_partial_sums_follow_zero_grad_and_step():

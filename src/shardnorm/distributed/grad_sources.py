@@ -160,7 +160,7 @@ class PartialGrads(GradAttributeSource):
 
     @property
     def pending(self) -> bool:
-        return self._pending
+        return self._pending and any(p.grad is not None for p in self.params)  # zero_grad(set_to_none) drops
 
     def _unreduced(self) -> list[nn.Parameter]:
         return self.params if self._pending else []
