@@ -133,7 +133,7 @@ class NormGradReducer:
         _REDUCERS.add(self)
 
     def bind(self, params) -> None:
-        """Offer the model's parameters to the source (`NormBackward`: the norms route their grads here)."""
+        """Offer the model's norm parameters to the source (`NormBackward`: they route their grads here)."""
         self.source.bind(params)
 
     @property
@@ -374,7 +374,8 @@ class NormGradReducer:
                 _accumulate_grad(s.param, s.data)
                 s.data.zero_()
                 s.touched = False
-            s.release()
+            if s.held is not None:
+                s.release()
         self._holding = False
 
 
