@@ -280,7 +280,8 @@ def test_reducer_collectives_modes_and_errors():
 ZERO_GRADS = {  # every way a training loop drops its grads
     "optimizer, set_to_none": lambda model, opt: opt.zero_grad(set_to_none=True),
     "optimizer, zeros": lambda model, opt: opt.zero_grad(set_to_none=False),
-    "optimizer (foreach), zeros": None,  # built below: foreach zeroing bypasses the grads' version counter
+    # built with foreach=True: zeroing DTensor grads with torch._foreach_zero_ bumps no version counter
+    "optimizer (foreach), zeros": lambda model, opt: opt.zero_grad(set_to_none=False),
     "module, set_to_none": lambda model, opt: model.zero_grad(set_to_none=True),
     "module, zeros": lambda model, opt: model.zero_grad(set_to_none=False),
 }
@@ -309,7 +310,6 @@ def _zero_grad_discards_pending(mesh, seed):
         ref, model = _models(mesh, seed)
         reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
         opt = torch.optim.SGD(model.parameters(), lr=0.0, foreach="foreach" in case)
-        zero = zero or (lambda model, opt: opt.zero_grad(set_to_none=False))
         _clean_step(model, ref, mesh, f"{case}: first step")  # with zeros, .grad exists before the next step
         opt.step()
         zero(model, opt)
