@@ -23,6 +23,7 @@ def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
 
     `source`: where the partial sums come from (default: the norms' own backward, for sequence-parallel
     norms; `shard_model` passes FSDP2's sharded grads, the DeepSpeed AutoTP adapter a hook's partial sums).
+    The reducer owns the parameters of the model's shardnorm norms (`norm_params`), the only ones it marks.
     Without a reducer the grads are still right, reduced the way torch does it: DTensor params get
     `Partial` grads (one all-reduce per parameter when redistributed), plain Megatron-style params keep
     their local partial sums for Megatron's `finalize_model_grads`.
