@@ -175,7 +175,7 @@ def run_trainer(path, out_dir, batch, gas, tp, use_shardnorm, **kwargs):
     result = {"losses": losses, "step_ms": timer.mean_ms(), "wrapped": type(trainer.model_wrapped).__name__}
     cb = [c for c in trainer.callback_handler.callbacks if type(c).__name__ == "ShardnormCallback"]
     if cb:
-        result["norm_grad_collectives_per_step"] = cb[0].collectives_per_step
+        result["norm_grad_collectives_per_step"] = cb[0].num_buckets
     return result
 
 

@@ -88,6 +88,13 @@ def _check_grads(model, ref, what):
         assert err <= TOL, f"{what}: {name}.grad rel err {err:.2e}"
 
 
+def _held_zeros(model) -> bool:
+    """While partial sums are pending, each norm param's `.grad` is zeros held by the reducer (nothing reduced
+    reached it yet)."""
+    return all(p.grad is not None and p.grad.requires_grad and not p.grad.to_local().any()
+               for p in model.parameters())
+
+
 def _data():
     return torch.randn(2, 8, HIDDEN), torch.randn(2, 8, HIDDEN)
 
@@ -107,7 +114,7 @@ def _collectives_per_step(mesh, counter, seed, mode):
             with shardnorm.accumulate(model) if not last else nullcontext():
                 _micro_batch(model, ref, mesh, *_data(), on_input_grad=hook)
             if not last:
-                assert all(p.grad is None for p in model.parameters()), f"{mode}: grads before the last one"
+                assert _held_zeros(model), f"{mode}: grads before the last one"
         calls = counter.take()
         if mode == "bucketed":
             assert reducer.num_buckets == 3, reducer.num_buckets
@@ -132,10 +139,11 @@ def _explicit_finalize(mesh, counter, seed):
         for _ in range(MICRO_BATCHES):
             _micro_batch(model, ref, mesh, *_data())
     assert counter.take() == 0
-    assert all(p.grad is None for p in model.parameters())
+    assert _held_zeros(model)
     shardnorm.finalize_grads(model)
     assert counter.take() == model._shardnorm_reducer.num_buckets
     _check_grads(model, ref, "finalize_grads")
+    assert not any(p.grad.requires_grad for p in model.parameters()), "finalize left .grad held"
     shardnorm.finalize_grads(model)
     assert counter.take() == 0
     _check_grads(model, ref, "finalize_grads twice")
@@ -262,7 +270,145 @@ def _cases(rank, world_size, seed):
 
 
 def test_reducer_collectives_modes_and_errors():
-    spawn(_cases, 2, torch.seed())
+    seed = torch.seed() % 2**31
+    print(f"seed {seed}")  # pytest shows it with a failure
+    spawn(_cases, 2, seed)
+
+
+# ---- the reducer's pending partial sums follow the user's grads -------------------------------------------
+
+ZERO_GRADS = {  # every way a training loop drops its grads
+    "optimizer, set_to_none": lambda model, opt: opt.zero_grad(set_to_none=True),
+    "optimizer, zeros": lambda model, opt: opt.zero_grad(set_to_none=False),
+    # built with foreach=True: zeroing DTensor grads with torch._foreach_zero_ bumps no version counter
+    "optimizer (foreach), zeros": lambda model, opt: opt.zero_grad(set_to_none=False),
+    "module, set_to_none": lambda model, opt: model.zero_grad(set_to_none=True),
+    "module, zeros": lambda model, opt: model.zero_grad(set_to_none=False),
+}
+
+
+def _clean_step(model, ref, mesh, what):
+    """MICRO_BATCHES micro-batches, the last outside `accumulate`; grads checked against one process."""
+    for mb in range(MICRO_BATCHES):
+        with shardnorm.accumulate(model) if mb < MICRO_BATCHES - 1 else nullcontext():
+            _micro_batch(model, ref, mesh, *_data())
+    _check_grads(model, ref, what)
+
+
+def _abandoned_step(model, mesh):
+    """Two micro-batches inside `accumulate`, then no last backward (a NaN loss skipped it)."""
+    for _ in range(2):
+        with shardnorm.accumulate(model):
+            xd = distribute_tensor(torch.randn(2, 8, HIDDEN), mesh, [Shard(1)])
+            (model(xd) * 1e3).sum().full_tensor().backward()
+
+
+def _zero_grad_discards_pending(mesh, seed):
+    """A step whose last backward never ran, then zero_grad (module's or optimizer's, set_to_none either way):
+    the next step's norm grads are that step's alone, as every other parameter's are."""
+    for case, zero in ZERO_GRADS.items():
+        ref, model = _models(mesh, seed)
+        reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0, foreach="foreach" in case)
+        _clean_step(model, ref, mesh, f"{case}: first step")  # with zeros, .grad exists before the next step
+        opt.step()
+        zero(model, opt)
+        ref.zero_grad(set_to_none=True)
+        _abandoned_step(model, mesh)
+        assert reducer.has_pending, case
+        zero(model, opt)
+        assert not reducer.has_pending, f"{case}: zero_grad left partial sums pending"
+        _clean_step(model, ref, mesh, f"{case}: step after the abandoned one")
+
+
+def _step_with_pending_partials(mesh, seed, counter):
+    """Every backward of a step inside `accumulate`: optimizer.step() refuses (the norm grads are not reduced);
+    finalize_grads makes them right; discard_pending drops them, and the grads are as before."""
+    ref, model = _models(mesh, seed)
+    reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with shardnorm.accumulate(model):
+        for _ in range(MICRO_BATCHES):
+            _micro_batch(model, ref, mesh, *_data())
+    with pytest.raises(RuntimeError, match=r"norm grads are not reduced yet.*shardnorm\.finalize_grads\(model\)"):
+        opt.step()
+    other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.0)
+    other.step()  # an optimizer that holds none of the reducer's parameters is not concerned
+    shardnorm.finalize_grads(model)
+    _check_grads(model, ref, "finalize_grads after the refused step")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+    counter.take()
+    _abandoned_step(model, mesh)
+    shardnorm.discard_pending(model)
+    assert not reducer.has_pending and all(p.grad is None for p in model.parameters())
+    shardnorm.finalize_grads(model)
+    assert counter.take() == 0, "finalize after discard_pending reduced something"
+    opt.step()  # nothing pending: allowed
+    _clean_step(model, ref, mesh, "step after discard_pending")
+
+
+def _accumulate_without_reducer(mesh, seed):
+    """Sequence-parallel (DTensor) norms and no reducer: nothing would reduce the accumulated grads'
+    `Partial` sums, so `accumulate` refuses, naming the fix."""
+    _, model = _models(mesh, seed)
+    with pytest.raises(RuntimeError, match=r"norms\.0\.weight .*attach_reducer\(model\)"):
+        with shardnorm.accumulate(model):
+            pass
+
+
+def _partial_grads_source(rank, world_size, seed):
+    """A hook's partial sums in `.grad` (DeepSpeed AutoTP's source): the framework's boundary ends the step, also
+    inside `accumulate`; a zero_grad after a given-up step leaves nothing pending."""
+    from shardnorm.distributed.grad_sources import PartialGrads
+
+    ref, model = _random_pair(seed)
+    model.to(rank_device(rank))
+    boundary = [False]
+    reducer = attach_reducer(model, source=PartialGrads(list(model.parameters()), dist.group.WORLD,
+                                                        boundary=lambda: boundary[0]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def micro_batch(last: bool, scale: float = 1.0):
+        x, dy = torch.randn(2 * world_size, 4, HIDDEN), torch.randn(2 * world_size, 4, HIDDEN)
+        boundary[0] = last
+        (model(x.chunk(world_size)[rank].to(rank_device(rank))) * dy.chunk(world_size)[rank].to(rank_device(rank))
+         * scale).sum().backward()
+        if scale == 1.0:
+            (ref(x) * dy).sum().backward()
+
+    for mb in range(MICRO_BATCHES):  # a loop that wraps every micro-batch in accumulate
+        with shardnorm.accumulate(model):
+            micro_batch(last=mb == MICRO_BATCHES - 1)
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad.cpu(), r.grad) <= TOL, f"partial grads, boundary inside accumulate: {name}"
+    opt.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    micro_batch(last=False, scale=1e3)  # a step given up after its first micro-batch
+    assert reducer.has_pending
+    opt.zero_grad(set_to_none=True)
+    assert not reducer.has_pending, "partial grads: zero_grad left the step pending"
+    for mb in range(MICRO_BATCHES):
+        micro_batch(last=mb == MICRO_BATCHES - 1)
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad.cpu(), r.grad) <= TOL, f"partial grads, step after a given-up one: {name}"
+
+
+def _lifecycle(rank, world_size, seed):
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    counter = _AllReduceCounter()
+    _zero_grad_discards_pending(mesh, seed)
+    _step_with_pending_partials(mesh, seed, counter)
+    _accumulate_without_reducer(mesh, seed)
+    _partial_grads_source(rank, world_size, seed)
+
+
+def test_pending_partial_sums_follow_zero_grad_and_step():
+    seed = torch.seed() % 2**31
+    print(f"seed {seed}")
+    spawn(_lifecycle, 2, seed)
 
 
 def test_accumulate_and_finalize_leave_a_model_without_a_reducer_as_it_was():
@@ -292,3 +438,17 @@ def test_accumulate_and_finalize_leave_a_model_without_a_reducer_as_it_was():
             assert set(vars(p)) == param_state[name], f"{name} gained {set(vars(p)) - param_state[name]}"
         for (name, p), r in zip(model.named_parameters(), ref.parameters()):
             assert rel_err(p.grad, r.grad) <= TOL, name
+
+
+def test_attach_reducer_tags_only_the_norm_params():
+    """The reducer's name is carried by the model and by the norm parameters it owns, by nothing else."""
+    from shardnorm.distributed import reducer_of
+    from shardnorm.distributed.grad_sources import REDUCER_ATTR
+
+    model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), NormStack(), nn.Linear(HIDDEN, 2))
+    reducer = attach_reducer(model)
+    assert reducer_of(model) is reducer
+    for name, p in model.named_parameters():
+        owned = name.startswith("1.norms.")
+        assert (getattr(p, REDUCER_ATTR, None) is reducer) == owned, f"{name}: {vars(p)}"
+    assert not any(hasattr(m, REDUCER_ATTR) for m in model.modules() if m is not model)

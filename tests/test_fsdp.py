@@ -248,6 +248,58 @@ def test_fsdp_dp_tp2(tmp_path):
     spawn(_dp_tp2, world_size, torch.seed() % 2**31, str(tmp_path / "ckpt"))
 
 
+# ---- 2 processes: dp=1 × tp=2, a step given up or taken with partial sums pending --------------------------
+
+PENDING_STEP = r"norm grads are not reduced yet"
+
+
+def _abandon(model, micro_batches, fsdp_sync: bool) -> None:
+    """The step's micro-batches but the last inside `accumulate`; the last backward never runs (a NaN loss)."""
+    for x, y in micro_batches[:-1]:
+        with shardnorm.accumulate(model, fsdp_sync=fsdp_sync):
+            (1e3 * nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())).backward()
+
+
+def _tp2_pending(rank, world_size, seed):
+    """FSDP2 × TP: a zero_grad after a given-up step leaves nothing pending, and the next step's grads are its
+    own; optimizer.step() after a last backward inside `accumulate` raises (fsdp_sync either way)."""
+    _quiet()
+    device = rank_device(rank)
+    batches = token_batches(seed, 1)
+    ref_grads = step_grads(make_model(seed, "cpu"), batches[0])
+    mesh = init_device_mesh(device.type, (1, world_size), mesh_dim_names=("dp", "tp"))
+    step = rank_rows(batches[0], 0, device)
+    for set_to_none in (True, False):
+        model = _shard_main_job(seed, mesh, device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        assert_grads_match("first step", step_grads(model, step), ref_grads)  # .grad None again
+        if not set_to_none:
+            optimizer.zero_grad(set_to_none=True)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        _abandon(model, step + step[:1], fsdp_sync=True)
+        assert "shardnorm's norm-grad buffer" in pending_grads(model)
+        optimizer.zero_grad(set_to_none=set_to_none)
+        assert not pending_grads(model), f"set_to_none={set_to_none}: {pending_grads(model)}"
+        assert_grads_match(f"after a given-up step, set_to_none={set_to_none}", step_grads(model, step), ref_grads)
+
+    for fsdp_sync in (True, False):
+        model = _shard_main_job(seed, mesh, device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        _abandon(model, step + step[:1], fsdp_sync)  # every micro-batch of the step inside accumulate
+        with pytest.raises(RuntimeError, match=PENDING_STEP):
+            optimizer.step()
+        if fsdp_sync:  # FSDP reduced over dp in every backward: finalize_grads completes the step
+            shardnorm.finalize_grads(model)
+            optimizer.step()
+
+
+def test_fsdp_tp2_pending_partial_sums():
+    seed = torch.seed() % 2**31
+    print(f"seed {seed}")
+    spawn(_tp2_pending, 2, seed)
+
+
 # ---- no process group needed ----------------------------------------------------------------------------
 
 def test_block_detection():

@@ -290,6 +290,28 @@ def _sequence_parallel_norms(rank, path):
     reducer = shardnorm.distributed.reducer_of(ours)
     assert reducer is not None and reducer.collectives == 1, getattr(reducer, "collectives", None)
 
+    # a step given up after its first micro-batch, then zero_grad: the next step's grads are its own; a step
+    # whose every backward ran inside accumulate is refused at optimizer.step()
+    opt = torch.optim.SGD(ours.parameters(), lr=0.0)
+    opt.zero_grad()
+    with shardnorm.accumulate(ours):
+        (1e3 * _loss(ours, batches[0])).backward()
+    assert reducer.has_pending
+    ours.zero_grad()
+    assert not reducer.has_pending, "zero_grad left the given-up step's partial sums pending"
+    for i, ids in enumerate(batches):
+        with shardnorm.accumulate(ours) if i < MICRO - 1 else contextlib.nullcontext():
+            _loss(ours, ids).backward()
+    again = _norm_grads(ours)
+    for n in sp:
+        assert _rel(again[n], ours_grads[n]) <= TOL, f"rank {rank} {n}: step after a given-up one"
+    opt.zero_grad()
+    with shardnorm.accumulate(ours):
+        _loss(ours, batches[0]).backward()
+    with pytest.raises(RuntimeError, match="norm grads are not reduced yet"):
+        opt.step()
+    shardnorm.discard_pending(ours)
+
 
 @pytest.mark.distributed
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU runs by design (Accelerate/Trainer with use_cpu on gloo); "

@@ -8,15 +8,15 @@ from .conversion import convert  # noqa: E402
 from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm  # noqa: E402
 from .modules import LayerNorm, RMSNorm  # noqa: E402
 
-__all__ = ["LayerNorm", "RMSNorm", "accumulate", "add_layer_norm", "add_rms_norm", "convert", "finalize_grads",
-           "layer_norm", "rms_norm"]
+__all__ = ["LayerNorm", "RMSNorm", "accumulate", "add_layer_norm", "add_rms_norm", "convert", "discard_pending",
+           "finalize_grads", "layer_norm", "rms_norm"]
 __version__ = "1.0.0"
 
 
 def __getattr__(name):
     """The distributed pieces load lazily (torch.distributed.tensor takes ~1 s to import):
-    `shardnorm.accumulate` / `finalize_grads`, and the `distributed` and `fsdp` modules."""
-    if name in ("accumulate", "finalize_grads"):
+    `shardnorm.accumulate` / `finalize_grads` / `discard_pending`, and the `distributed` and `fsdp` modules."""
+    if name in ("accumulate", "discard_pending", "finalize_grads"):
         from .distributed import accumulation
 
         return getattr(accumulation, name)

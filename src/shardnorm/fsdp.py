@@ -132,7 +132,7 @@ def _dp_tp_meshes(mesh: DeviceMesh, dp_dims: DimNames | None = "dp", tp_dim: str
                   replicate_dim: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
     """The mesh FSDP shards over (1-D, or 2-D replicate x shard for HSDP) and the tensor-parallel mesh.
 
-    A 1-D mesh is the data-parallel mesh whatever its name (today's behaviour). Several `dp_dims`
+    A 1-D mesh is the data-parallel mesh whatever its name. Several `dp_dims`
     (e.g. torchtitan's ("dp_shard", "cp")) are flattened into one shard dim: FSDP then reduces the
     norm grads over all of them, which is what context parallelism needs (each cp rank holds a partial
     sum over its part of the sequence).

@@ -1,14 +1,15 @@
 """shardnorm under tensor/sequence parallelism: DTensor norms, the norm-grad reducer, parallel styles.
 
-`shardnorm.accumulate` and `shardnorm.finalize_grads` (the package root) drive the reducer `attach_reducer` gives
-a model.
+`shardnorm.accumulate`, `shardnorm.finalize_grads` and `shardnorm.discard_pending` (the package root) drive the
+reducer `attach_reducer` gives a model.
 """
 
 from shardnorm.distributed.accumulation import attach_reducer, reducer_of
 from shardnorm.distributed.parallel_style import SequenceParallelNorm, process_group_sequence_parallel
-from shardnorm.distributed.reducer import NormGradReducer
+from shardnorm.distributed.reducer import DEFAULT_BUCKET_CAP_MB, NormGradReducer
 
 __all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
     "NormGradReducer",
     "SequenceParallelNorm",
     "attach_reducer",

@@ -1,18 +1,20 @@
-"""Model-level control of norm-grad reduction: one reducer per model, micro-batch accumulation, finalize.
+"""Model-level control of norm-grad reduction: one reducer per model, micro-batch accumulation, finalize,
+discard.
 
 `attach_reducer` is the one constructor: every grad source (the norms' backward, FSDP2's reduce-scatter
 output, a framework hook's partial sums) gets its `NormGradReducer` through it, stored on the model, so
-`accumulate` and `finalize_grads` find it whoever built it. Looking the reducer up never creates one.
+`accumulate`, `finalize_grads` and `discard_pending` find it whoever built it. Looking the reducer up never
+creates one.
 """
 
 from contextlib import ExitStack, contextmanager
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from shardnorm.distributed.grad_sources import GradSource
+from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradSource
 from shardnorm.distributed.reducer import DEFAULT_BUCKET_CAP_MB, NormGradReducer, ReduceMode
-
-_ATTR = "_shardnorm_reducer"
+from shardnorm.modules import LayerNorm, RMSNorm
 
 
 def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
@@ -21,6 +23,7 @@ def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
 
     `source`: where the partial sums come from (default: the norms' own backward, for sequence-parallel
     norms; `shard_model` passes FSDP2's sharded grads, the DeepSpeed AutoTP adapter a hook's partial sums).
+    The reducer owns the parameters of the model's shardnorm norms (`norm_params`), the only ones it marks.
     Without a reducer the grads are still right, reduced the way torch does it: DTensor params get
     `Partial` grads (one all-reduce per parameter when redistributed), plain Megatron-style params keep
     their local partial sums for Megatron's `finalize_model_grads`.
@@ -32,14 +35,19 @@ def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
         raise RuntimeError("shardnorm: the model's reducer holds accumulated grads; call "
                            "shardnorm.finalize_grads(model) before attaching a new reducer")
     reducer = NormGradReducer(bucket_cap_mb=bucket_cap_mb, reduce=reduce, source=source)
-    setattr(model, _ATTR, reducer)
-    reducer.bind(model.parameters())
+    setattr(model, REDUCER_ATTR, reducer)
+    reducer.bind(norm_params(model))
     return reducer
+
+
+def norm_params(model: nn.Module) -> list[nn.Parameter]:
+    """The weights and biases of `model`'s shardnorm norms: the only parameters a reducer may own."""
+    return [p for m in model.modules() if isinstance(m, (LayerNorm, RMSNorm)) for p in m.parameters(recurse=False)]
 
 
 def reducer_of(model: nn.Module) -> NormGradReducer | None:
     """The reducer `attach_reducer` gave `model`, or None. Never creates one."""
-    return getattr(model, _ATTR, None)
+    return getattr(model, REDUCER_ATTR, None)
 
 
 def _skip_fsdp_reduction(model: nn.Module, stack: ExitStack) -> None:
@@ -62,9 +70,15 @@ def accumulate(model: nn.Module, *, fsdp_sync: bool = False):
     `no_sync`) when `model` is FSDP-wrapped. `fsdp_sync=True` lets FSDP reduce-scatter in every
     backward still (its sharded grads use less memory); the norm grads' tensor-parallel reduction waits
     either way. A model with neither a reducer nor FSDP has nothing to hold back: a no-op, which adds
-    no state to it. Yields the model's reducer (None without one).
+    no state to it; one with sequence-parallel (DTensor) norms and no reducer raises, since nothing would
+    reduce their accumulated `Partial` grads. Yields the model's reducer (None without one).
+
+    A step given up before its last backward (a NaN loss) is dropped by the `zero_grad` that follows, or by
+    `discard_pending(model)`.
     """
     reducer = reducer_of(model)
+    if reducer is None:
+        _refuse_unreduced_norms(model)
     with ExitStack() as stack:
         if not fsdp_sync:
             _skip_fsdp_reduction(model, stack)
@@ -72,6 +86,16 @@ def accumulate(model: nn.Module, *, fsdp_sync: bool = False):
             stack.callback(setattr, reducer, "accumulating", reducer.accumulating)
             reducer.accumulating = True
         yield reducer
+
+
+def _refuse_unreduced_norms(model: nn.Module) -> None:
+    """Raise if `model` has sequence-parallel DTensor norm params: without a reducer their grads stay `Partial`."""
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and getattr(p, "sequence_parallel", False) and p.device_mesh.size() > 1:
+            raise RuntimeError(f"shardnorm: accumulate(model) on a model with sequence-parallel norms ({name} is a "
+                               f"Replicate DTensor whose grads are partial sums over {p.device_mesh}) and no "
+                               f"norm-grad reducer: nothing would reduce the accumulated grads; call "
+                               f"shardnorm.distributed.attach_reducer(model) after parallelizing")
 
 
 def finalize_grads(model: nn.Module) -> None:
@@ -82,3 +106,13 @@ def finalize_grads(model: nn.Module) -> None:
     reducer = reducer_of(model)
     if reducer is not None:
         reducer.finalize()
+
+
+def discard_pending(model: nn.Module) -> None:
+    """Drop the norm-grad partial sums accumulated for a step that will not be taken (call it on every rank).
+
+    A `zero_grad` (module's or optimizer's) does the same on its own; this is for a loop that abandons a
+    step without one. A no-op without a reducer."""
+    reducer = reducer_of(model)
+    if reducer is not None:
+        reducer.discard_pending()

@@ -26,9 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from shardnorm.distributed.grad_sources import GradAttributeSource, local_grad
-
-_TRACKED = "_shardnorm_fsdp_reducer"
+from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradAttributeSource, local_grad
 
 
 class FSDPShardedGrads(GradAttributeSource):
@@ -38,7 +36,10 @@ class FSDPShardedGrads(GradAttributeSource):
     each norm's forward pre-hook hands it FSDP's unsharded params (`track`).
 
     Unreduced: what FSDP added since the step began (a snapshot of `.grad` taken at the first backward
-    of the step; a post-accumulate hook on each sharded param says FSDP wrote to it).
+    of the step; a post-accumulate hook on each sharded param says FSDP wrote to it). The sharded grad FSDP
+    wrote is held as the reducer's own are (`requires_grad=True`, see `reducer.py`): a `zero_grad` that
+    takes it takes the unreduced part with it. Pending too: a backward inside `accumulate` whose grads FSDP
+    kept unreduced (no-sync); FSDP's own rule applies to those (a `zero_grad` does not drop them).
     """
 
     name = "fsdp_sharded_grads"
@@ -46,7 +47,9 @@ class FSDPShardedGrads(GradAttributeSource):
     def __init__(self, params: list[nn.Parameter], group):
         super().__init__(params, group)
         self._before: dict[int, torch.Tensor] = {}  # id(param) -> fp32 local grad already reduced over tp
-        self._dirty: set[int] = set()  # params whose sharded grad holds FSDP output not yet reduced over tp
+        self._dirty: dict[int, torch.Tensor] = {}  # id(param) -> its sharded grad holding FSDP output not
+        # yet reduced over tp
+        self._kept_by_fsdp = False  # FSDP kept (no-sync) the grads of a backward inside accumulate
 
     def attach(self, reducer) -> None:
         super().attach(reducer)
@@ -55,19 +58,21 @@ class FSDPShardedGrads(GradAttributeSource):
 
     def track(self, param: nn.Parameter) -> None:
         """Take over an unsharded param (FSDP makes it at its first all-gather) of a sequence-parallel norm."""
-        if getattr(param, _TRACKED, None) is self:
+        if getattr(param, REDUCER_ATTR, None) is self.reducer:
             return
         if isinstance(param, DTensor) and dist.get_process_group_ranks(param.device_mesh.get_group()) \
                 != dist.get_process_group_ranks(self.group):
             raise ValueError(f"shardnorm: a sequence-parallel norm parameter of shape {tuple(param.shape)} "
                              f"lives on {param.device_mesh}, not on the tp mesh shard_model was given")
-        setattr(param, _TRACKED, self)
+        setattr(param, REDUCER_ATTR, self.reducer)
         param.sequence_parallel = True
         param.register_hook(self._relabel)
 
     def _relabel(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, labelled Replicate over tp so that FSDP reduces it over dp only."""
         self.reducer.note_backward()
+        if self.reducer.accumulating:
+            self._kept_by_fsdp = True
         if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
             return grad  # a plain (process-group mode) grad is the local partial sum already
         placements = tuple(Replicate() if p.is_partial() else p for p in grad.placements)
@@ -75,24 +80,46 @@ class FSDPShardedGrads(GradAttributeSource):
                                   shape=grad.shape, stride=grad.stride())
 
     def begin_backward(self) -> None:
-        if not self._dirty:  # remember what is already reduced, so only FSDP's new output is all-reduced
-            self._before = {id(p): local_grad(p).float().reshape(-1).clone()
-                            for p in self.params if p.grad is not None}
+        self._drop_cleared()
+        for p in self.params:  # remember what is already reduced, so only FSDP's new output is all-reduced
+            if id(p) not in self._dirty:
+                if p.grad is None:
+                    self._before.pop(id(p), None)
+                else:
+                    self._before[id(p)] = local_grad(p).float().reshape(-1).clone()
 
     def _on_sharded_grad(self, param: nn.Parameter) -> None:
-        """FSDP added its reduce-scatter output (still partial over tp) to this sharded grad."""
-        self._dirty.add(id(param))
+        """FSDP added its reduce-scatter output (still partial over tp) to this sharded grad: hold it."""
+        grad = param.grad
+        if not grad.requires_grad:
+            grad.requires_grad_(True)
+        self._dirty[id(param)] = grad
+        self._kept_by_fsdp = False
+
+    def _drop_cleared(self) -> None:
+        """Forget the sharded grads a zero_grad took (set to None, or detached before zeroing)."""
+        for p in self.params:
+            held = self._dirty.get(id(p))
+            if held is not None and (p.grad is not held or not held.requires_grad):
+                del self._dirty[id(p)]
+                self._before.pop(id(p), None)
 
     @property
     def pending(self) -> bool:
-        return bool(self._dirty)
+        self._drop_cleared()
+        return bool(self._dirty) or self._kept_by_fsdp
 
     def _unreduced(self) -> list[nn.Parameter]:
-        return [p for p in self.params if id(p) in self._dirty and p.grad is not None]
+        self._drop_cleared()
+        return [p for p in self.params if id(p) in self._dirty]
 
     def _base(self, param) -> torch.Tensor | None:
         return self._before.get(id(param))
 
     def _forget(self) -> None:
+        for grad in self._dirty.values():
+            if grad.is_leaf:
+                grad.requires_grad_(False)
         self._dirty.clear()
         self._before.clear()
+        self._kept_by_fsdp = False

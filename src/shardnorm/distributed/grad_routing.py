@@ -4,8 +4,8 @@ The norm op stays pure: it computes fp32 dgamma/dbeta for the rows it sees. Appl
 before the op, `_RouteToReducer` gives the op fp32 copies (so the op's grads stay fp32) and, in backward,
 adds those grads into the reducer bound to the parameters. Its inputs are detached from the parameters
 (fresh leaves over the same storage), so no autograd path leads from the op back to a parameter: autograd
-never touches `.grad`, and nothing reduces except the reducer. (Returning None grads through a graph
-still connected to the parameter was not enough: torch 2.11 on CUDA also accumulated `Partial` grads.)
+never touches `.grad`, and nothing reduces except the reducer: a graph still connected to the parameter
+lets autograd accumulate a `Partial` grad into it even where this function returns None for it.
 """
 
 import torch

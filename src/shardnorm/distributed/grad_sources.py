@@ -12,13 +12,16 @@ it, in one of two ways:
   finalize reduces it and adds it back. `PartialGrads`: a hook left local partial sums there (DeepSpeed
   AutoTP's q/k norms; Hugging Face tensor-parallel styles). `FSDPShardedGrads`
   (`fsdp_norm_grads.py`): FSDP2's reduce-scatter output, still partial over tp.
+
+The one attribute shardnorm sets for the reducer, `REDUCER_ATTR`, is on the model (its reducer) and on the
+norm parameters a reducer owns (the reducer they belong to); no other parameter carries it.
 """
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-_BOUND = "_shardnorm_reducer"
+REDUCER_ATTR = "_shardnorm_reducer"
 
 
 class GradSource:
@@ -26,15 +29,20 @@ class GradSource:
     once, from its constructor."""
 
     name = "pushed"
+    pushed = True  # grads arrive through `reducer.add` (a norm parameter bound to the reducer routes there)
+    ends_step = False  # True: every backward the source reports ends the step, whatever `accumulate` says
 
     def attach(self, reducer) -> None:
         self.reducer = reducer
 
     def bind(self, params) -> None:
-        """`attach_reducer` offers the model's parameters (call it again after re-parallelizing)."""
+        """`attach_reducer` offers the model's norm parameters (call it again after re-parallelizing)."""
 
     def begin_backward(self) -> None:
         """The first grad of a backward reached the reducer."""
+
+    def discard(self) -> None:
+        """Drop what the next harvest would take (`reducer.discard_pending`)."""
 
     def harvest(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """At the step boundary: (param, flat fp32 partial sum) not reduced yet, taken out of where it was."""
@@ -54,12 +62,13 @@ class NormBackward(GradSource):
 
     def bind(self, params) -> None:
         for p in params:
-            setattr(p, _BOUND, self.reducer)
+            setattr(p, REDUCER_ATTR, self.reducer)
 
 
 def bound_reducer(param):
-    """The reducer a norm parameter's grads go to (`NormBackward.bind`), or None."""
-    return getattr(param, _BOUND, None)
+    """The reducer a norm parameter's grads are pushed to (`NormBackward.bind`), or None."""
+    reducer = getattr(param, REDUCER_ATTR, None)
+    return reducer if reducer is not None and reducer.source.pushed else None
 
 
 def local_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -72,7 +81,10 @@ class GradAttributeSource(GradSource):
 
     `params` are laid out in the reducer's buckets at once, in this order. A subclass says which params
     hold unreduced grads (`_unreduced`) and what part of their `.grad` was reduced already (`_base`).
+    The partial sums live in `.grad`, so a `zero_grad` drops them with the rest of the step's grads.
     """
+
+    pushed = False
 
     def __init__(self, params: list[nn.Parameter], group):
         self.params, self.group = list(params), group
@@ -90,6 +102,17 @@ class GradAttributeSource(GradSource):
 
     def _forget(self) -> None:
         """The harvest took everything."""
+
+    def discard(self) -> None:
+        """`.grad` back to its reduced part (None where nothing was reduced)."""
+        for p in self._unreduced():
+            base = self._base(p)
+            if base is None:
+                p.grad = None
+            else:
+                local = local_grad(p)
+                local.copy_(base.view_as(local))
+        self._forget()
 
     def harvest(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         taken = []
@@ -114,9 +137,11 @@ class PartialGrads(GradAttributeSource):
     """A hook leaves each rank's local partial sums in `.grad` over the micro-batches (all of `.grad` is
     unreduced: the optimizer zeroes it after each step). A backward for which `boundary()` is true ends
     the step: its end harvests every param (zeros where `.grad` is None), so each rank reduces the same
-    buckets. DeepSpeed AutoTP passes `engine.is_gradient_accumulation_boundary`."""
+    buckets, `shardnorm.accumulate` or not (the framework steps after it). DeepSpeed AutoTP passes
+    `engine.is_gradient_accumulation_boundary`."""
 
     name = "partial_grads"
+    ends_step = True
 
     def __init__(self, params: list[nn.Parameter], group, *, boundary=lambda: True):
         super().__init__(params, group)
@@ -135,7 +160,7 @@ class PartialGrads(GradAttributeSource):
 
     @property
     def pending(self) -> bool:
-        return self._pending
+        return self._pending and any(p.grad is not None for p in self.params)  # zero_grad(set_to_none) drops
 
     def _unreduced(self) -> list[nn.Parameter]:
         return self.params if self._pending else []

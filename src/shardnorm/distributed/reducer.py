@@ -14,13 +14,25 @@ backward order, so buckets fill front to back), one flat fp32 buffer per process
 `bucket_cap_mb`; harvested sources register their parameters up front. How many contributions a parameter
 gets per backward is learned too (1 for a norm used once); one that arrives after its bucket was launched
 is reduced on its own, so correctness never depends on the guess.
+
+Pending partial sums follow the user's grads. While a step's partial sums wait here (backward passes inside
+`shardnorm.accumulate`), each owned parameter's `.grad` is held: it is the tensor that was there, or zeros
+(param dtype and placement) put there when it was None, marked `requires_grad=True`. Every `zero_grad`
+(module's or optimizer's, `set_to_none` either way, foreach or not) either drops that tensor or calls
+`requires_grad_(False)` / `detach_()` on it before zeroing it, so the reducer sees at its next use (a
+backward, `finalize`, `has_pending`, an optimizer step) that the step was given up and drops those partial
+sums with it: the check is two attribute reads per parameter, done once per backward and only while
+something is pending. `discard_pending()` drops them explicitly. An optimizer step over a parameter whose
+partial sums are still pending raises (`torch.optim`'s global step pre-hook): `.grad` is not the step's grad.
 """
 
+import weakref
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardnorm._torch_compat import current_graph_task_id, queue_backward_callback
 from shardnorm.distributed.grad_sources import GradSource, NormBackward
@@ -37,12 +49,41 @@ DEFAULT_BUCKET_CAP_MB = 1.0
 class _Slot:
     """One parameter's fp32 accumulator: a view into its bucket once laid out, a lone tensor before."""
 
-    __slots__ = ("param", "group", "data", "bucket", "expected", "count", "touched")
+    __slots__ = ("param", "group", "data", "bucket", "expected", "count", "touched", "held", "placed")
 
     def __init__(self, param, group, numel: int, device):
         self.param, self.group, self.bucket = param, group, None
         self.data = torch.zeros(numel, dtype=torch.float32, device=device)
         self.expected, self.count, self.touched = 1, 0, False
+        self.held, self.placed = None, False  # the param's .grad held while `data` is pending; put there by us
+
+    def hold(self) -> None:
+        """Mark the param's `.grad` as the holder of this slot's pending sum (zeros where it was None)."""
+        grad = self.param.grad
+        if grad is None:
+            grad = self.param.grad = _zeros_like_grad(self.param)
+            self.placed = True
+        if not grad.requires_grad:
+            grad.requires_grad_(True)
+        self.held = grad
+
+    def cleared(self) -> bool:
+        """Whether a zero_grad took the held `.grad` since `hold` (set it to None, another tensor, or detached it)."""
+        grad = self.param.grad
+        return grad is not self.held or not grad.requires_grad
+
+    def release(self) -> None:
+        if self.held is not None and self.held.is_leaf:
+            self.held.requires_grad_(False)
+        self.held, self.placed = None, False
+
+    def drop(self) -> None:
+        """Forget the pending sum."""
+        self.data.zero_()
+        self.touched = False
+        if self.placed and self.param.grad is self.held:
+            self.param.grad = None
+        self.release()
 
 
 class _Bucket:
@@ -83,14 +124,16 @@ class NormGradReducer:
         self._per_layer: list[tuple[object, torch.Tensor, list[_Slot]]] = []
         self._backward_task: int | None = None  # autograd graph task whose end we wait for
         self._syncing = False
+        self._holding = False  # some slot holds its param's .grad (pending partial sums)
         self.source = source if source is not None else NormBackward()
         if reduce == "per_layer" and not isinstance(self.source, NormBackward):
             raise ValueError(f"shardnorm: reduce='per_layer' reduces grads pushed by the norms' backward; the "
                              f"source {self.source.name!r} is harvested once per step, use reduce='bucketed'")
         self.source.attach(self)
+        _REDUCERS.add(self)
 
     def bind(self, params) -> None:
-        """Offer the model's parameters to the source (`NormBackward`: the norms route their grads here)."""
+        """Offer the model's norm parameters to the source (`NormBackward`: they route their grads here)."""
         self.source.bind(params)
 
     @property
@@ -105,8 +148,49 @@ class NormGradReducer:
 
     @property
     def has_pending(self) -> bool:
-        """Whether accumulated grads are waiting for the step's reduction."""
-        return bool(self._staged) or any(s.touched for s in self._slots.values()) or self.source.pending
+        """Whether accumulated grads are waiting for the step's reduction (a zero_grad since drops them)."""
+        self._drop_cleared()
+        return any(s.touched for s in self._slots.values()) or self.source.pending
+
+    def discard_pending(self) -> None:
+        """Drop every partial sum waiting for the step's reduction, as a `zero_grad` does (each rank calls it).
+
+        `.grad` is left as it was before the step's first backward; the next backward starts a new step."""
+        if self._backward_task is not None:
+            raise RuntimeError("shardnorm: discard_pending was called inside a backward pass; call it between steps")
+        self._finish_per_layer()
+        for s in self._slots.values():
+            if s.touched or s.held is not None:
+                s.drop()
+        for b in self.buckets:
+            b.dirty = False
+        self._holding = False
+        self.source.discard()
+
+    def _drop_cleared(self) -> None:
+        """Drop the pending sums whose held `.grad` a zero_grad took (see the module docstring)."""
+        if not self._holding:
+            return
+        holding = False
+        for s in self._slots.values():
+            if s.held is not None:
+                if s.cleared():
+                    s.drop()
+                else:
+                    holding = True
+        self._holding = holding
+
+    def _refuse_step(self, optimizer) -> None:
+        """Raise if `optimizer` steps a parameter whose partial sums are still pending."""
+        if not self.has_pending:
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not stepped.isdisjoint(self._slots):
+            raise RuntimeError(
+                "shardnorm: optimizer.step() over norm parameters whose grads are still accumulating: the norm "
+                "grads are not reduced yet (the step's last backward ran inside shardnorm.accumulate(model)). "
+                "Run the last micro-batch's backward outside accumulate, or call shardnorm.finalize_grads(model) "
+                "before clipping and stepping; shardnorm.discard_pending(model) drops them")
 
     # ---- called by sources, from backward ----------------------------------------------------------------
 
@@ -184,8 +268,9 @@ class NormGradReducer:
     def _begin_backward(self, task: int) -> None:
         if self._unmaterialized:
             self._materialize()
+        self._drop_cleared()
         self._backward_task = task
-        self._syncing = not self.accumulating
+        self._syncing = self.source.ends_step or not self.accumulating
         for b in self.buckets:
             b.pending = sum(s.expected for s in b.slots)
         self.source.begin_backward()
@@ -201,6 +286,10 @@ class NormGradReducer:
         else:
             self._finish_per_layer()
             self._lay_out_staged()
+            for s in self._slots.values():
+                if s.touched and s.held is None:
+                    s.hold()
+            self._holding = True
 
     # ---- reduction -----------------------------------------------------------------------------------
 
@@ -264,6 +353,7 @@ class NormGradReducer:
         add it to `.grad`. Idempotent."""
         if self._unmaterialized:
             self._materialize()
+        self._drop_cleared()
         for param, partial in self.source.harvest():
             self._accumulate(self._slots[id(param)], partial)
         self._finish_per_layer()
@@ -284,6 +374,29 @@ class NormGradReducer:
                 _accumulate_grad(s.param, s.data)
                 s.data.zero_()
                 s.touched = False
+            if s.held is not None:
+                s.release()
+        self._holding = False
+
+
+_REDUCERS: "weakref.WeakSet[NormGradReducer]" = weakref.WeakSet()
+
+
+def _refuse_pending_step(optimizer, args, kwargs) -> None:
+    """torch.optim global step pre-hook: no step over norm grads that are not reduced yet."""
+    for reducer in list(_REDUCERS):
+        reducer._refuse_step(optimizer)
+
+
+register_optimizer_step_pre_hook(_refuse_pending_step)
+
+
+def _zeros_like_grad(param) -> torch.Tensor:
+    """Zeros shaped, typed and placed as `param`'s grad."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+    return torch.zeros_like(param)
 
 
 def _local(param) -> torch.Tensor:

@@ -11,6 +11,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
+from shardnorm.distributed import DEFAULT_BUCKET_CAP_MB
+
 SECTION = "shardnorm"
 GRAD_REDUCE_CHOICES = ("step", "deepspeed")
 
@@ -37,8 +39,7 @@ class ShardnormSection:
         replicated-with-grad-all-reduce (q/k norms over tensor-parallel heads): "step" = shardnorm,
         coalesced into fp32 buckets, once per optimizer step; "deepspeed" = DeepSpeed's own hook,
         one all-reduce per parameter per micro-batch.
-    bucket_cap_mb: size of one such fp32 bucket (the name and default of every shardnorm reducer:
-        `shardnorm.distributed.reducer.DEFAULT_BUCKET_CAP_MB`).
+    bucket_cap_mb: size of one such fp32 bucket (the name and default of every shardnorm reducer).
     keep_output: false: the converted norms recompute their outputs in backward instead of keeping them
         (`shardnorm.output_recompute`).
     """
@@ -47,7 +48,7 @@ class ShardnormSection:
     replace: Optional[Tuple[str, ...]] = None
     zero_centered_gamma: bool = False
     grad_reduce: str = "step"
-    bucket_cap_mb: float = 1.0
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     keep_output: bool = True
 
     @property

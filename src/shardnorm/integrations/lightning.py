@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 import shardnorm
+from shardnorm.distributed import DEFAULT_BUCKET_CAP_MB
 from shardnorm.fsdp import shard_model
 
 DATA_DIM, TP_DIM = "data_parallel", "tensor_parallel"  # the dims Fabric's ModelParallelStrategy names
@@ -32,7 +33,7 @@ DATA_DIM, TP_DIM = "data_parallel", "tensor_parallel"  # the dims Fabric's Model
 __all__ = ["ShardnormBackwardSyncControl", "parallelize_fn", "strategy"]
 
 
-def parallelize_fn(tp_plan=None, *, block_classes=None, mp_policy=None, bucket_cap_mb: float = 1.0,
+def parallelize_fn(tp_plan=None, *, block_classes=None, mp_policy=None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                    dp_dims=DATA_DIM, tp_dim: str = TP_DIM):
     """A `parallelize_fn(model, device_mesh)` for `ModelParallelStrategy` that applies shardnorm.
 
@@ -75,7 +76,7 @@ def _with_accumulate(fabric_context, module: nn.Module, enabled: bool):
 
 
 def strategy(tp_plan=None, *, data_parallel_size="auto", tensor_parallel_size="auto", block_classes=None,
-             mp_policy=None, bucket_cap_mb: float = 1.0, **kwargs) -> ModelParallelStrategy:
+             mp_policy=None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, **kwargs) -> ModelParallelStrategy:
     """`ModelParallelStrategy` with shardnorm's `parallelize_fn` and no-sync control (kwargs go to it)."""
     result = ModelParallelStrategy(parallelize_fn(tp_plan, block_classes=block_classes, mp_policy=mp_policy,
                                                   bucket_cap_mb=bucket_cap_mb),

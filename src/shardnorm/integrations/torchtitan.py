@@ -42,7 +42,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import shardnorm
-from shardnorm.distributed import SequenceParallelNorm
+from shardnorm.distributed import DEFAULT_BUCKET_CAP_MB, SequenceParallelNorm
 from shardnorm.fsdp import install_norm_grad_reducer
 
 SUPPORTED_VERSIONS = ("0.3.",)
@@ -131,7 +131,7 @@ class ShardnormConverter(ModelConfigConverter):
         return converted
 
 
-def parallelize_with_shardnorm(parallelize_fn, *, bucket_cap_mb: float = 1.0):
+def parallelize_with_shardnorm(parallelize_fn, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
     """Wrap a torchtitan parallelize function: after it (TP, AC, compile, FSDP2), attach the norm reducer."""
 
     @wraps(parallelize_fn)
@@ -171,7 +171,7 @@ class ShardnormTrainer(Trainer):
                 c.__exit__(None, None, None)
 
 
-def with_shardnorm(config: Trainer.Config, *, bucket_cap_mb: float = 1.0,
+def with_shardnorm(config: Trainer.Config, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                    keep_output: bool = True) -> ShardnormTrainer.Config:
     """A torchtitan `Trainer.Config` with shardnorm's norms, TP plan, reducer and accumulation (`keep_output=False`:
     the norms recompute their outputs in backward instead of keeping them)."""

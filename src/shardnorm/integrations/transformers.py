@@ -31,8 +31,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import shardnorm
 from shardnorm._torch_compat import has_post_accumulate_grad_hooks, remove_module_backward_hooks
-from shardnorm.distributed import (SequenceParallelNorm, attach_reducer, process_group_sequence_parallel,
-                                   reducer_of)
+from shardnorm.distributed import (DEFAULT_BUCKET_CAP_MB, SequenceParallelNorm, attach_reducer,
+                                   process_group_sequence_parallel, reducer_of)
 from shardnorm.integrations.deepspeed_config import warn_near_miss_sections
 from shardnorm.modules import LayerNorm, RMSNorm
 
@@ -205,7 +205,7 @@ def deepspeed_config_of(accelerator) -> dict | None:
 
 
 def convert_model(model: nn.Module, *, accelerator=None, deepspeed_config: dict | None = None,
-                  bucket_cap_mb: float = 1.0, keep_output: bool = True) -> nn.Module:
+                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, keep_output: bool = True) -> nn.Module:
     """Convert `model`'s norms in place (same Parameters) before the framework wraps it; returns it.
 
     - DeepSpeed: the config's "shardnorm" section (from `accelerator` or `deepspeed_config`) decides what
@@ -265,23 +265,24 @@ def bind_accumulation(model: nn.Module, accelerator):
 
 class ShardnormCallback(TrainerCallback):
     """Checks, before each optimizer step, that the norm grads were reduced (by the last micro-batch's
-    backward) and counts the step's norm-grad collectives (`collectives_per_step`: one per bucket)."""
+    backward) and records the reducer's bucket count at that step (`num_buckets`: its norm-grad all-reduces
+    per step)."""
 
     def __init__(self, model: nn.Module):
         self.reducer = reducer_of(model)
         if self.reducer is None:
             raise ValueError("shardnorm: ShardnormCallback needs a model with a norm-grad reducer (convert_model "
                              "attaches one to a tp_plan model with tensor-parallel norms)")
-        self.collectives_per_step = None
+        self.num_buckets = None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.reducer.has_pending:
             raise RuntimeError("shardnorm: norm grads were still accumulating at the optimizer step (the last "
                                "micro-batch ran with sync_gradients false); gradient clipping read partial grads")
-        self.collectives_per_step = self.reducer.num_buckets
+        self.num_buckets = self.reducer.num_buckets
 
 
-def enable(trainer, *, bucket_cap_mb: float = 1.0, keep_output: bool = True) -> nn.Module:
+def enable(trainer, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, keep_output: bool = True) -> nn.Module:
     """The one line for a `transformers.Trainer` run: call after building the Trainer, before `train()`.
 
     Converts `trainer.model` (honouring the DeepSpeed "shardnorm" section when the run uses DeepSpeed:
