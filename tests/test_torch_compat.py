@@ -280,3 +280,14 @@ def test_saved_tensors_hooks_top_and_compiled_module():
     module = torch.nn.Linear(2, 2)
     assert not compat.is_compiled_module(module)
     assert compat.is_compiled_module(torch.compile(module)), _gone("OptimizedModule")
+
+
+def test_child_modules_and_own_buffers():
+    parent = torch.nn.Module()
+    parent.norm = torch.nn.LayerNorm(4)
+    parent.final_norm = parent.norm  # one module, two names
+    assert [name for name, _ in compat.child_modules(parent)] == ["norm", "final_norm"], _gone("Module._modules")
+    parent.norm.register_buffer("kept", torch.zeros(1))
+    parent.norm.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert [(n, p) for n, _, p in compat.own_buffers(parent.norm)] == [("kept", True), ("scratch", False)], \
+        _gone("Module._buffers / _non_persistent_buffers_set")

@@ -92,6 +92,17 @@ def is_compiled_module(module) -> bool:
     return type(module).__name__ == "OptimizedModule"
 
 
+def child_modules(module) -> list:
+    """(name, child) for every child attribute of `module`, a child registered under two names twice
+    (`named_children()` yields one module once)."""
+    return [(name, child) for name, child in module._modules.items() if child is not None]
+
+
+def own_buffers(module) -> list:
+    """(name, buffer, persistent) for `module`'s own buffers (persistent: saved in its state_dict)."""
+    return [(name, b, name not in module._non_persistent_buffers_set) for name, b in module._buffers.items()]
+
+
 def view_base(t):
     """The tensor `t` is a view of (views share their base's storage and version counter), or `t` itself."""
     return t if t._base is None else t._base

@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ._torch_compat import is_dtensor, module_hooks
+from ._torch_compat import child_modules, is_dtensor, module_hooks, own_buffers
 from .modules import LayerNorm, RMSNorm
 from .norm_families import KNOWN, Extra, NormFamily, lookup, mismatch
 
@@ -126,8 +126,8 @@ def _build(module: torch.nn.Module, family: NormFamily) -> torch.nn.Module:
             if family.bias:
                 new.bias = module.bias
     new.weight = module.weight
-    for buffer_name, buffer in module._buffers.items():  # only torch's own norms get here with buffers (`mismatch`)
-        new.register_buffer(buffer_name, buffer, persistent=buffer_name not in module._non_persistent_buffers_set)
+    for buffer_name, buffer, persistent in own_buffers(module):  # only torch's own norms get here with buffers
+        new.register_buffer(buffer_name, buffer, persistent=persistent)
     new.train(module.training)
     return new
 
@@ -193,11 +193,10 @@ def _replacements(model: torch.nn.Module, patterns: Optional[tuple], extra: Opti
         return [(None, "", root)], converted, skipped
     swaps = []
     for parent_name, parent in model.named_modules():
-        for child_name, child in parent._modules.items():  # named_children() hides a second name of one module
-            if child is not None:
-                new = visit(f"{parent_name}.{child_name}" if parent_name else child_name, child)
-                if new is not None:
-                    swaps.append((parent, child_name, new))
+        for child_name, child in child_modules(parent):  # named_children() hides a second name of one module
+            new = visit(f"{parent_name}.{child_name}" if parent_name else child_name, child)
+            if new is not None:
+                swaps.append((parent, child_name, new))
     return swaps, converted, skipped
 
 

@@ -154,7 +154,8 @@ def mismatch(module: torch.nn.Module, family: NormFamily) -> Optional[str]:
     """Why `module` does not have the structure `family` converts (None: it does)."""
     if type(module) in (torch.nn.LayerNorm, torch.nn.RMSNorm):
         # torch's own: converted from their constructor arguments; buffers move over (their forward reads none)
-        return "has submodules, which the shardnorm module would not keep" if module._modules else None
+        return "has submodules, which the shardnorm module would not keep" \
+            if next(module.children(), None) is not None else None
     if not getattr(module, "with_scale", True):
         return "has no weight (with_scale=False), so its normalized size is unknown"
     weight = module._parameters.get("weight")
