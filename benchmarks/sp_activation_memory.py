@@ -1,7 +1,7 @@
 """Sequence-parallel activation memory and step time of the main job's model: torch-native SP against shardnorm.
 
-Three variants of `parallel.model.Transformer` under the main job's TP plan (`parallel.parallelize`), one process
-per tp rank:
+Three variants of `parallel.model.Transformer` parallelized as the main job does it (`parallel.parallelize`: the TP
+plan, `--compile`, FSDP2 over a dp=1 mesh dim with bf16 compute and fp32 grad reduction), one process per tp rank:
 - torch:            torch.nn.RMSNorm + `SequenceParallel`; the consumers' `PrepareModuleInput` all-gathers, and
                     every rank saves the gathered norm output in full for backward.
 - shardnorm:        converted norms, `SequenceParallelNorm(output_layouts=Replicate())`: the norm gathers (the
@@ -46,22 +46,17 @@ MIB = 2 ** 20
 
 
 def _build(variant: str, args, mesh, device):
-    from parallel.config import ModelConfig
+    """The main job's model and parallelization (`parallel.parallelize.parallelize`: TP plan, --compile, FSDP2 on
+    the dp=1 mesh dim with bf16 compute and fp32 reduction; shardnorm's norm grads through its reducer)."""
+    from parallel.config import ModelConfig, TrainConfig
     from parallel.model import build_model
-    from parallel.parallelize import apply_compile, apply_tensor_parallel
+    from parallel.parallelize import parallelize
 
     cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.heads,
                       ffn_dim=args.ffn, max_seq_len=args.seq, norm_keep_output=variant != "shardnorm_recompute")
     norm = "torch" if variant == "torch" else "shardnorm"
-    model = build_model(cfg, norm, device, seed=0).to(getattr(torch, args.dtype))
-    apply_tensor_parallel(model, mesh, norm)
-    if args.compile:  # the main job's --compile: each block compiled, fullgraph
-        apply_compile(model)
-    if norm == "shardnorm":  # the norm grads' tp reduction: one fp32 all-reduce per bucket, as in the main job
-        from shardnorm.distributed import attach_reducer
-
-        attach_reducer(model)
-    return model
+    model = build_model(cfg, norm, device, seed=0)
+    return parallelize(model, mesh, TrainConfig(norm=norm, compile=args.compile, dtype=args.dtype))
 
 
 def _norm_grad_errors(models: dict, args, tokens, device) -> dict:
@@ -159,7 +154,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
     tokens = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
     models = {v: _build(v, args, mesh, device) for v in VARIANTS}
     rows = {v: dict(losses=[], forward_bytes=[], peak_bytes=[], seconds=[]) for v in VARIANTS}
