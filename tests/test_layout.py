@@ -188,10 +188,6 @@ def test_the_scan_sees_private_torch_access(tmp_path, monkeypatch):
         assert expected in message, (expected, message)
 
 
-# type checks by class name outside _torch_compat.py, (file under src/shardnorm, what the name is compared with)
-NAME_CHECKS_OUTSIDE: set = set()
-
-
 def _name_checks(tree: ast.AST):
     """(line, compared with) of every `<expr>.__name__ ==` / `!=` / `in` / `not in` comparison in `tree`: a type
     told by its name (`type(t).__name__ == "DTensor"`) rather than by `_torch_compat`'s predicates."""
@@ -214,8 +210,8 @@ def test_type_name_checks_only_in_torch_compat():
         rel = path.relative_to(SRC).as_posix()
         if rel == "_torch_compat.py":
             continue
-        found += [f"{rel}:{line}: __name__ compared with {what}" for line, what in _name_checks(ast.parse(path.read_text()))
-                  if (rel, what) not in NAME_CHECKS_OUTSIDE]
+        found += [f"{rel}:{line}: __name__ compared with {what}"
+                  for line, what in _name_checks(ast.parse(path.read_text()))]
     assert not found, "type checks by class name outside shardnorm/_torch_compat.py:\n" + "\n".join(found)
 
 
