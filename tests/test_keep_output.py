@@ -339,6 +339,8 @@ def test_keyboard_interrupt_in_parent_forward():
         raise KeyboardInterrupt
 
     parent = _Parent(False, after=interrupt)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):  # an outermost call that pushed no hooks
+        parent(torch.randn(3, H, requires_grad=True))
     with pytest.raises(KeyboardInterrupt):
         parent(torch.randn(3, H, requires_grad=True))
     inputs = []

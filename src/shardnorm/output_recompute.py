@@ -156,14 +156,16 @@ def _enter(module, args) -> None:
     if torch.compiler.is_compiling():
         return
     scope = _scope
-    if scope.depth and scope.root_frame is not None and _finished(scope.root_frame):
+    if scope.depth and _finished(scope.root_frame):
         _reset(scope)
     scope.depth += 1
-    if scope.depth == 1 and torch.is_grad_enabled() and not _torch_compat.saved_tensors_hooks_active() \
+    if scope.depth > 1:
+        return
+    scope.root_frame = sys._getframe(1)
+    if torch.is_grad_enabled() and not _torch_compat.saved_tensors_hooks_active() \
             and _torch_compat.current_graph_task_id() == -1 and not _torch_compat.is_compiled_module(module):
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-        hooks.__enter__()
-        scope.hooks, scope.root_frame = hooks, sys._getframe(1)
+        scope.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        scope.hooks.__enter__()
 
 
 def _leave(module, args, output) -> None:
