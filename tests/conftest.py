@@ -6,12 +6,16 @@ triton is first imported), so CI proves the kernels and not only the torch path.
 
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor's caches of one test session only: its FX-graph cache keys a graph by the custom ops' names, not their
+# schemas, so a graph cached by an older shardnorm (another norm_bwd signature) would be replayed here.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="shardnorm-tests-inductor-"))
 # the launchers the tests start (launch/train.sh, launch/deepspeed.sh) run under the interpreter running the
 # tests, whichever environment that is, rather than setting up the repository's .venv
 os.environ.setdefault("PYTHON", sys.executable)
