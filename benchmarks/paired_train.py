@@ -4,14 +4,15 @@
         [--nproc 2] [--common "train.steps=30 train.timing_skip=10"]
 
 Each run is `launch/train.sh CONFIG COMMON VARIANT train.out_dir=DIR/runs/pairK-X` (NPROC=--nproc), in the order
-A, B, A, B, ...: the machine's drift over the session falls on both variants. Per run the job's summary.json and
+A, B, A, B, ...: the machine's drift over the runs falls on both variants. Per run the job's summary.json and
 metrics.jsonl (parallel/metrics.py) give the step time (mean over the timed steps), tokens/s, peak memory and the
 losses. Per pair: the step-time ratio B/A. Over the pairs: the median ratio and its range (min, max), the peak
 memory of each variant, and loss parity (B's loss against A's of the same pair, step by step, relative). Writes
 DIR/paired_train.json, DIR/paired_train.md (with the command) and, where matplotlib is installed,
 DIR/paired_train.png; prints the table. Each run's log is DIR/runs/pairK-X.log. A failed run stops the
-session (exit 1) with what was measured so far written. Speed claims about the main job in README.md and docs
-come from this script's output, quoted with its command.
+benchmark (exit 1) with what was measured so far written. Whole-run speed claims about the main job are quoted
+from this script's output with its command (step-by-step alternation in one process group:
+benchmarks/sp_activation_memory.py).
 """
 
 import argparse
@@ -162,7 +163,7 @@ def write(out: Path, meta: dict, pairs: list[dict], error: str | None = None) ->
 def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, run=None, meta: dict | None = None,
               common: list[str] = (), nproc: int | None = None) -> tuple[list[dict], str | None]:
     """K pairs of runs, A then B each; `run(variant_args, out_dir) -> dict` (default: `launch`). Returns the
-    finished pairs and the error that stopped the session, if any."""
+    finished pairs and the error that stopped the benchmark, if any."""
     run = run or (lambda variant, out_dir: launch(config, list(common), variant, out_dir, nproc))
     done = []
     for k in range(1, pairs + 1):

@@ -68,7 +68,7 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
     assert sum(line.startswith("| ") and line[2].isdigit() for line in table.splitlines()) == k
 
 
-def test_a_failed_run_stops_the_session_and_keeps_the_finished_pairs(tmp_path):
+def test_a_failed_run_stops_the_benchmark_and_keeps_the_finished_pairs(tmp_path):
     calls = []
 
     def run(variant_args, out_dir):

@@ -78,6 +78,9 @@ def _backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_cente
 
 
 def _save(ctx, x, weight, bias, residual, eps, rms, zero_centered, output) -> None:
+    """A norm node's saves begin (rows the kernel read, weight as it read it, mean, rstd) and its `flags` say what
+    the call was: the DTensor node (`distributed/token_sharded.py`) keeps the same prefix, and the output recompute
+    (`output_recompute`) reads it from either."""
     _, z, mean, rstd = output
     ctx.save_for_backward(z if residual is not None else x, weight, mean, rstd)
     ctx.flags = (bias is not None, residual is not None, rms, zero_centered, eps)

@@ -367,16 +367,15 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
 
 
 def _forward_state(y: Tensor, y_local: Tensor) -> Optional[tuple]:
-    """(weight as the kernel read it, (mean, rstd)) of the norm call that made y, from its autograd node: the ops'
-    node saves (src, weight, mean, rstd); the token-sharded DTensor node (src, x, weight as read, weight, bias,
-    mean, rstd). None where y's node is neither."""
+    """(weight as the kernel read it, (mean, rstd)) of the norm call that made y, from its autograd node, whose saves
+    begin (src, weight as read, mean, rstd) (`ops._save`). None where y's node is no norm node."""
     node = y.grad_fn if _torch_compat.is_dtensor(y) else None
     if getattr(node, "flags", None) is None:
         node = _torch_compat.view_base(y_local).grad_fn
     if getattr(node, "flags", None) is None:  # not a norm op's own node
         return None
-    saved = node.saved_tensors
-    return saved[1 if len(saved) == 4 else 2], saved[-2:]
+    _, weight, mean, rstd = node.saved_tensors[:4]
+    return weight, (mean, rstd)
 
 
 class _Remake:

@@ -86,9 +86,10 @@ class TokenShardedNorm(torch.autograd.Function):
             # z's rows are a third output, for the backward to save: a create_graph backward's grads then
             # depend on z through this node (saving the DTensor z instead costs a DTensor dispatch each way)
             src, z = z.view_as(z), _wrap(z, layout, meta, z.dtype)
-        # the rows the kernel read (x's, or z = x + residual), the DTensor x (a create_graph backward's grads
-        # depend on it) and the params as passed
-        ctx.save_for_backward(src, x if residual is None else None, w, weight, bias, mean, rstd)
+        # the ops' prefix (`ops._save`): the rows the kernel read (x's, or z = x + residual), the weight as it read
+        # it, the statistics; then the DTensor x (a create_graph backward's grads depend on it) and the params as
+        # passed
+        ctx.save_for_backward(src, w, mean, rstd, x if residual is None else None, weight, bias)
         ctx.flags = (bias is not None, residual is not None, rms, zero_centered, eps)
         ctx.layout, ctx.route, ctx.n = layout, route, n
         ctx.set_materialize_grads(False)
@@ -98,7 +99,7 @@ class TokenShardedNorm(torch.autograd.Function):
     def backward(ctx, dy, dz, dsrc):
         if torch.is_grad_enabled():
             return _create_graph_grads(ctx, dy, dz, dsrc)
-        src, _, w, weight, bias, mean, rstd = ctx.saved_tensors
+        src, w, mean, rstd, _, weight, bias = ctx.saved_tensors
         has_bias, has_residual, rms, zero_centered, _ = ctx.flags
         layout, meta = ctx.layout, ctx.meta
         dy = _local_rows(dy, layout, ctx.n)
@@ -155,7 +156,7 @@ def _sum(a, b):
 def _create_graph_grads(ctx, dy, dz, dsrc):
     """The grads as differentiable functions of dy, dz, the norm's input (or z) and its params, as the composed
     path (`to_local`, the reference backward's torch ops, `DTensor.from_local`, `route_to_reducer`) computes them."""
-    src, x, _, weight, bias, _, _ = ctx.saved_tensors
+    src, _, _, _, x, weight, bias = ctx.saved_tensors
     has_bias, has_residual, rms, zero_centered, eps = ctx.flags
     layout, n, (shape, stride, local_shape, x_dtype, residual_dtype) = ctx.layout, ctx.n, ctx.meta
     if not has_residual:
