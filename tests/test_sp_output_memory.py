@@ -139,7 +139,7 @@ def test_gathered_output_recomputed_bitwise(residual_form):
     spawn(_sharded_steps, 2, residual_form, 1234)
 
 
-def _compiled_steps(rank, world_size, seed):
+def _compiled_steps(rank, world_size, seed, use_local_output):
     """Layers compiled (fullgraph): with keep_output=False the norm and its all-gather are traced in selective
     checkpoints that recompute them, so the compiled graphs save neither the gathered outputs nor the local
     ones; the grads are the option off's."""
@@ -159,7 +159,8 @@ def _compiled_steps(rank, world_size, seed):
         torch._dynamo.reset()
         model = _build(keep, False, device)
         for layer in model.layers:
-            parallelize_module(layer, mesh, sp_plan(SequenceParallelNorm(output_layouts=Replicate())))
+            style = SequenceParallelNorm(output_layouts=Replicate(), use_local_output=use_local_output)
+            parallelize_module(layer, mesh, sp_plan(style))
             layer.compile(backend="aot_eager_decomp_partition", fullgraph=True)
         x = DTensor.from_local(x_full.chunk(world_size, dim=1)[rank].clone(), mesh, (Shard(1),))
         x.requires_grad_()
@@ -183,7 +184,8 @@ def _compiled_steps(rank, world_size, seed):
 
 
 @pytest.mark.distributed
-def test_compiled_layers_recompute_the_gather():
+@pytest.mark.parametrize("use_local_output", [False, True], ids=["dtensor_output", "local_output"])
+def test_compiled_layers_recompute_the_gather(use_local_output):
     from spawn_ranks import spawn
 
-    spawn(_compiled_steps, 2, 99)
+    spawn(_compiled_steps, 2, 99, use_local_output)

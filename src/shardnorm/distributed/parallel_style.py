@@ -97,8 +97,8 @@ class SequenceParallelNorm(ParallelStyle):
             t = t.redistribute(placements=placements) if tuple(t.placements) != placements else t
             return t.to_local() if self.use_local_output else t
 
-        if torch.compiler.is_compiling():
-            if getattr(module, "keep_output", True) or self.use_local_output:
+        if torch.compiler.is_compiling():  # only a redistribution needs the recompute checkpoint
+            if getattr(module, "keep_output", True) or tuple(y.placements) == placements:
                 return transform(y)
             return output_recompute.compiled_transform(transform, y)
         out = transform(y)
