@@ -23,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTI_RANK = "distributed or deepspeed"
-OUTCOME = re.compile(r"^(\S+::\S+?)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", re.M)
+# `-v` lines: "tests/test_x.py::test_y[param, maybe with spaces] PASSED [ 10%]"
+OUTCOME = re.compile(r"^(tests/\S+?::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", re.M)
 
 
 def collect(marker: str, paths: list) -> list:

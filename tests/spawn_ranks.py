@@ -32,12 +32,13 @@ def rank_device(rank: int) -> torch.device:
 def _entry(rank, world_size, port, body, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
     if DEVICE == "cuda":
         device = rank_device(rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         body(rank, world_size, *args)
         dist.barrier()  # no rank tears down its group while a peer is still in a collective
@@ -55,4 +56,8 @@ def spawn(body, world_size: int, *args) -> None:
     """Run `body(rank, world_size, *args)` on `world_size` ranks; raise if any rank fails."""
     if DEVICE == "cuda" and world_size > torch.cuda.device_count():
         pytest.skip(f"{world_size} ranks need {world_size} GPUs, {torch.cuda.device_count()} visible")
-    mp.spawn(_entry, args=(world_size, free_port(), body, args), nprocs=world_size, join=True)
+    # the rendezvous store is the caller's, on a port the OS picked and kept bound: a port found free and bound
+    # later by a rank could be taken in between by a test running beside this one
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    mp.spawn(_entry, args=(world_size, store.port, body, args), nprocs=world_size, join=True)
+    del store

@@ -23,6 +23,8 @@ import torch
 import docs_prelude
 from spawn_ranks import DEVICE, spawn
 
+OPTIONAL_PACKAGES = ("torchtitan", "lightning", "deepspeed", "liger_kernel")
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^( *)```python\s*$")
@@ -60,6 +62,8 @@ def _examples() -> list:
                 reason = marker[len("skip"):].strip()
                 assert reason, f"{name}: a docs-test skip marker must give its reason"
                 marks.append(pytest.mark.skip(reason=reason))
+            elif marker.startswith("ranks="):
+                marks.append(pytest.mark.distributed)
             params.append(pytest.param(name, marker, code, id=name, marks=marks))
     return params
 
@@ -111,9 +115,13 @@ def _ranked_body(rank, world_size, root, name, code, dp):
 def test_docs_example_runs(name, marker, code, tmp_path, monkeypatch):
     (tmp_path / "configs").symlink_to(ROOT / "configs")  # the examples name configs/ relative to the checkout
     monkeypatch.chdir(tmp_path)
+    for package in OPTIONAL_PACKAGES:  # the GPU image lacks some of the extras the CPU environment pins
+        if re.search(rf"^\s*(from|import) {package}\b", code, re.M):
+            pytest.importorskip(package)
     if marker.startswith("ranks="):
-        if DEVICE == "cuda":
-            pytest.skip("the prelude's placeholders are CPU objects (cuda_as_cpu): the ranked examples run on gloo")
+        if torch.cuda.is_available():  # the libraries in the examples (Lightning, HF tp_plan) would take the GPUs
+            pytest.skip("the prelude's placeholders are CPU objects (cuda_as_cpu): the ranked examples run on gloo "
+                        "on a CPU-only host")
         options = ranked_options(marker)
         if docs_prelude.uses_path(code):
             docs_prelude.tiny_hf_model_dir(str(tmp_path))

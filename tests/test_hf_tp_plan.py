@@ -11,6 +11,9 @@ an Accelerate loop (`accelerator.accumulate`, gradient_accumulation_steps=2, cli
 reads them) and the losses follow the single-process run; stock's drift.
 Last, transformers' `sequence_parallel` style on the decoder norms (a user plan): shardnorm's takeover equals
 transformers' own DTensor grads (the sum over ranks) with one all-reduce per step.
+A second spawn: `keep_output=False` under a tp_plan. transformers' colwise styles save a DTensor made around the norm
+output they read (`DTensor.from_local`); the recompute follows it to the norm's output, so every norm output is
+saved as a handle and made again once in the backward, loss and grads bitwise those of keep_output=True.
 (transformers.Trainer itself refuses a tp_plan model on CPU: Accelerate allows a ParallelismConfig only on
 GPU devices, DeepSpeed or FSDP2; `benchmarks/gpu_hf_tp_plan.py` runs the Trainer with `enable` on 2 GPUs.)
 """
@@ -318,6 +321,78 @@ def _sequence_parallel_norms(rank, path):
                     "benchmarks/gpu_hf_tp_plan.py runs this path on GPUs")
 def test_tp_plan_qwen3_norm_grads_two_micro_batches(tmp_path):
     spawn(_body, 2, str(tmp_path))
+
+
+SP_PLAN = {"model.layers.*.input_layernorm": "sequence_parallel",
+           "model.layers.*.post_attention_layernorm": "sequence_parallel", "model.norm": "sequence_parallel"}
+# no style that re-wraps its input: the norm outputs reach plain Linears
+REPLICATE_PLAN = {f"model.layers.*.{m}": "replicate" for m in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj")} | {"lm_head": "replicate"}
+
+
+def _all_grads(model):
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _keep_output_body(rank, world, root):
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    import shardnorm
+    from shardnorm.integrations.transformers import convert_model
+
+    path = f"{root}/qwen3"
+    if rank == 0:
+        _save_tiny_qwen3(path, *SHAPES[0], seed=21)
+    dist.barrier()
+    ids = _batches(400)[0]  # the same batch on both ranks, as tensor parallelism runs
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    single_loss = _loss(single, ids)
+    single_loss.backward()
+    single_grads = _all_grads(single)
+
+    def run(keep, **load):
+        model = convert_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load),
+                              keep_output=keep)
+        shardnorm.output_recompute.counters(reset=True)
+        loss = _loss(model, ids)
+        loss.backward()
+        return model, loss.detach(), _all_grads(model), shardnorm.output_recompute.counters()
+
+    for name, load in (("auto", dict(tp_plan="auto")),
+                       ("sequence_parallel", dict(distributed_config=DistributedConfig(tp_plan=SP_PLAN))),
+                       ("replicate", dict(distributed_config=DistributedConfig(tp_plan=REPLICATE_PLAN)))):
+        _, loss_on, grads_on, _ = run(True, **load)
+        model, loss_off, grads_off, counts = run(False, **load)
+        # every output of the decoder norms went to consumers that saved a handle (transformers' colwise styles save a
+        # DTensor made around it) and was made again once in the backward: 2 norms per layer and the final one (the
+        # q/k norms' outputs are tracked too, but rotary's products save only cos/sin)
+        norms = 2 * model.config.num_hidden_layers + 1
+        assert counts["recomputed"] == norms and counts["saved_as_handle"] >= norms, (name, counts)
+        assert torch.equal(loss_on, loss_off), (name, loss_on, loss_off)
+        assert grads_on.keys() == grads_off.keys() and len(grads_on) == len(single_grads), sorted(grads_on)
+        for n in grads_on:
+            assert torch.equal(grads_on[n], grads_off[n]), f"{name} rank {rank} {n}: keep_output=False changed the grad"
+        assert abs(loss_off.item() - single_loss.item()) <= LOSS_TOL * single_loss.item()
+        for n, g in grads_off.items():
+            if name == "replicate" and n.endswith(("q_norm.weight", "k_norm.weight")):
+                # this plan replicates q/k/v while the model's own entries keep the q/k norms as
+                # replicated_with_grad_allreduce (heads taken as sharded): their grads are summed over the ranks
+                assert _rel(g, world * single_grads[n]) <= TOL, f"rank {rank} {n}: {_rel(g, world * single_grads[n])}"
+            elif name == "sequence_parallel" and n.endswith(("layernorm.weight", "model.norm.weight")):
+                # transformers' sequence_parallel style takes the whole (replicated) sequence for this rank's
+                # shard, so the weight grad is the sum over the tp ranks: tp times one process's (shardnorm's
+                # takeover computes what transformers' own style computes; see docs/integrations/transformers.md)
+                assert _rel(g, world * single_grads[n]) <= TOL, f"rank {rank} {n}: {_rel(g, world * single_grads[n])}"
+            else:
+                assert _rel(g, single_grads[n]) <= TOL, f"{name} rank {rank} {n}: rel err {_rel(g, single_grads[n]):.1e}"
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU runs by design, as the test above")
+def test_tp_plan_keep_output_false_recomputes_the_norm_outputs(tmp_path):
+    spawn(_keep_output_body, 2, str(tmp_path))
 
 
 def test_unknown_transformers_version_is_named():

@@ -12,7 +12,6 @@ pytest.importorskip("torchtitan")
 from torchtitan.models.common import RMSNorm as TitanRMSNorm  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
-from spawn_ranks import free_port  # noqa: E402
 from shardnorm.integrations.torchtitan import ShardnormConverter, ShardnormRMSNorm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +41,7 @@ def test_converter_refuses_a_model_without_rmsnorm():
 
 def _train(tmp_path, config: str, steps: int) -> dict:
     out = tmp_path / f"{config}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "tests.torchtitan_runner", str(out), "--module", "tests.torchtitan_runner", "--config", config,
            "--hf_assets_path", str(tmp_path / "tokenizer"), "--dataloader.dataset_path", str(tmp_path / "c4_test"),
            "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",

@@ -203,13 +203,24 @@ _ATTR = "_shardnorm_recompute"  # a tracked DTensor output's handle (a DTensor h
 _by_storage: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _handle_of(t: Tensor) -> Optional["_Recompute"]:
+def _lookup(t: Tensor) -> tuple[Optional["_Recompute"], Tensor]:
+    """(the handle of the tracked output `t` is, or views, or None; the tensor whose version the handle checks)."""
     if _torch_compat.is_dtensor(t):
-        return getattr(_torch_compat.view_base(t), _ATTR, None)
+        handle = getattr(_torch_compat.view_base(t), _ATTR, None)
+        if handle is not None:
+            return handle, t
+        # a DTensor its consumer built around a tracked plain output (`DTensor.from_local`, as the styles of a
+        # transformers tp_plan do with their input): the handle is the local tensor's
+        local = _torch_compat.dtensor_local(t)
+        return (None, t) if _torch_compat.is_dtensor(local) else (_lookup(local)[0], local)
     try:
-        return _by_storage.get(t.untyped_storage())
+        return _by_storage.get(t.untyped_storage()), t
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return None
+        return None, t
+
+
+def _handle_of(t: Tensor) -> Optional["_Recompute"]:
+    return _lookup(t)[0]
 
 
 class _Recompute:
@@ -271,14 +282,13 @@ class _Saved:
 
     __slots__ = ("handle", "view", "dtensor")
 
-    def __init__(self, handle: _Recompute, t: Tensor, base: Tensor):
+    def __init__(self, handle: _Recompute, t: Tensor):
         self.handle, self.view, self.dtensor = handle, None, None
         handle.saves += 1
         if _torch_compat.is_dtensor(t):
-            if t is base:
+            if getattr(t, _ATTR, None) is handle:  # the tracked DTensor itself
                 return
-            with torch.no_grad():
-                local = t.to_local()
+            local = _torch_compat.dtensor_local(t)
             self.view = (local.size(), local.stride(), local.storage_offset())
             self.dtensor = (t.device_mesh, t.placements, t.size(), t.stride())
         else:
@@ -294,15 +304,16 @@ class _Saved:
 
         mesh, placements, shape, stride = self.dtensor
         with torch.no_grad():
-            local = base.to_local().as_strided(*self.view)
-            return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+            local = base.to_local() if _torch_compat.is_dtensor(base) else base
+            return DTensor.from_local(local.as_strided(*self.view), mesh, placements, run_check=False, shape=shape,
+                                      stride=stride)
 
 
 def _pack(t: Tensor):
-    handle = _handle_of(t)
-    if handle is not None and _torch_compat.tensor_version(t) == handle.version:
+    handle, versioned = _lookup(t)
+    if handle is not None and _torch_compat.tensor_version(versioned) == handle.version:
         _counts["saved_as_handle"] += 1
-        return _Saved(handle, t, _torch_compat.view_base(t))
+        return _Saved(handle, t)
     # A detached alias: the tensor itself would tie an op's saved output to its own grad_fn (a reference cycle
     # autograd cannot break). It shares t's version counter, checked at unpack as autograd checks it.
     return t.detach(), _torch_compat.tensor_version(t)
