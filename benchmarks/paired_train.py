@@ -3,7 +3,8 @@
     python benchmarks/paired_train.py CONFIG --a "--norm torch" --b "--norm shardnorm" --pairs 5 --out DIR
         [--nproc 2] [--common "train.steps=30 train.timing_skip=10"]
 
-Each run is `launch/train.sh CONFIG COMMON VARIANT train.out_dir=DIR/runs/pairK-X` (NPROC=--nproc), in the order
+Each run is `launch/train.sh CONFIG COMMON VARIANT train.out_dir=DIR/runs/pairK-X` (NPROC=--nproc; --runs RUNS puts
+the runs' folders and logs in RUNS instead of DIR/runs), in the order
 A, B, A, B, ...: the machine's drift over the runs falls on both variants. Per run the job's summary.json and
 metrics.jsonl (parallel/metrics.py) give the step time (mean over the timed steps), tokens/s, peak memory and the
 losses. Per pair: the step-time ratio B/A. Over the pairs: the median ratio and its range (min, max), the peak
@@ -161,14 +162,15 @@ def write(out: Path, meta: dict, pairs: list[dict], error: str | None = None) ->
 
 
 def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, run=None, meta: dict | None = None,
-              common: list[str] = (), nproc: int | None = None) -> tuple[list[dict], str | None]:
-    """K pairs of runs, A then B each; `run(variant_args, out_dir) -> dict` (default: `launch`). Returns the
-    finished pairs and the error that stopped the benchmark, if any."""
+              common: list[str] = (), nproc: int | None = None, runs: Path | None = None) -> tuple[list[dict], str | None]:
+    """K pairs of runs, A then B each, each in `runs` (default out/runs); `run(variant_args, out_dir) -> dict`
+    (default: `launch`). Returns the finished pairs and the error that stopped the benchmark, if any."""
     run = run or (lambda variant, out_dir: launch(config, list(common), variant, out_dir, nproc))
+    runs = runs or out / "runs"
     done = []
     for k in range(1, pairs + 1):
         try:
-            pair = {v: run(args, out / "runs" / f"pair{k}-{v.upper()}") for v, args in zip(VARIANTS, (a, b))}
+            pair = {v: run(args, runs / f"pair{k}-{v.upper()}") for v, args in zip(VARIANTS, (a, b))}
         except RunFailed as e:
             return done, str(e)
         done.append(pair)
@@ -191,6 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=5, help="pairs of runs (default 5)")
     parser.add_argument("--nproc", type=int, help="processes per run (NPROC of launch/train.sh; default: its own)")
     parser.add_argument("--common", default="", help="main-job arguments for both variants, e.g. train.steps=30")
+    parser.add_argument("--runs", help="where each run's output folder and log go (default: OUT/runs)")
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/paired"), help="output folder")
     args = parser.parse_args(argv)
     if args.pairs < 1:
@@ -203,7 +206,8 @@ def main(argv=None) -> int:
     meta = {"config": args.config, "a": args.a, "b": args.b, "common": args.common, "nproc": args.nproc,
             "pairs_asked": args.pairs,
             "command": shlex.join(["python", "benchmarks/paired_train.py", *(sys.argv[1:] if argv is None else argv)])}
-    pairs, error = run_pairs(args.config, a, b, args.pairs, out, meta=meta, common=common, nproc=args.nproc)
+    pairs, error = run_pairs(args.config, a, b, args.pairs, out, meta=meta, common=common, nproc=args.nproc,
+                             runs=Path(args.runs).resolve() if args.runs else None)
     summary = write(out, meta, pairs, error)
     if error:
         print(f"error: {error}", file=sys.stderr)
