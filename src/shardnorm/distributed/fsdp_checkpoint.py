@@ -53,20 +53,22 @@ def _refuse_if_pending(model: nn.Module) -> None:
                            f"optimizer.zero_grad()")
 
 
+def _state(model: nn.Module, optimizer, extra: dict | None) -> dict:
+    model_state, optim_state = get_state_dict(model, optimizer or [])
+    return {"model": model_state, **({"optim": optim_state} if optimizer else {}), **(extra or {})}
+
+
 def save(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          extra: dict | None = None) -> None:
     """Save the sharded model (and optimizer) state with DCP; `extra`: more state (e.g. a scheduler)."""
     _refuse_if_pending(model)
-    model_state, optim_state = get_state_dict(model, optimizer or [])
-    state = {"model": model_state, **({"optim": optim_state} if optimizer else {}), **(extra or {})}
-    dcp.save(state, checkpoint_id=checkpoint_id)
+    dcp.save(_state(model, optimizer, extra), checkpoint_id=checkpoint_id)
 
 
 def load(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          extra: dict | None = None) -> None:
     """Load in place what `save` wrote into a model sharded the same way (and its optimizer, `extra`)."""
-    model_state, optim_state = get_state_dict(model, optimizer or [])
-    state = {"model": model_state, **({"optim": optim_state} if optimizer else {}), **(extra or {})}
+    state = _state(model, optimizer, extra)
     dcp.load(state, checkpoint_id=checkpoint_id)
     set_state_dict(model, optimizer or [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))

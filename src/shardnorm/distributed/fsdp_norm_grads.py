@@ -1,24 +1,10 @@
 """Sequence-parallel norm grads under FSDP2: FSDP reduces them over dp first, shardnorm over tp after.
 
-Under FSDP2 × TP a sequence-parallel norm's weight/bias are Replicate over tp, and each rank's
-dgamma/dbeta is a partial sum over its own tokens and its own samples: it must be summed over tp and
-over dp, each exactly once. The order used here:
-
-1. The norm's backward returns its partial sum as the unsharded parameter's grad, `Partial` over tp;
-   a hook on that parameter relabels it `Replicate` (no communication), so FSDP does not all-reduce it
-   but keeps it across no-sync micro-batches (in `reduce_dtype`) and reduce-scatters it over dp with
-   the rest of the block's grads: no extra collective over dp.
-2. After the backward in which FSDP reduce-scattered, the model's `NormGradReducer` harvests what FSDP
-   added to the sharded grads (`FSDPShardedGrads`, a harvested source) and all-reduces over tp only
-   the dp shards FSDP produced: numel/dp elements per parameter instead of numel, in fp32, one
-   collective per bucket per optimizer step.
-
-The hook runs in eager autograd before the grad is accumulated, also when the block is compiled.
-
-torch's own path reduces in the other order: FSDP redistributes each norm's `Partial` grad to
-`Replicate` before its reduce-scatter, one all-reduce of the full parameter per norm parameter, in
-the param dtype. Reducing over tp first could overlap with backward but moves dp times the bytes;
-the tp all-reduce here runs after FSDP's last reduce-scatter (not overlapped) and is small.
+A hook on FSDP's unsharded norm parameter relabels the norm's tp-`Partial` grad `Replicate` (no
+communication), so FSDP reduce-scatters it over dp with the block's other grads and adds no tp all-reduce;
+after that backward the model's reducer harvests what FSDP added to the sharded grads (`FSDPShardedGrads`)
+and all-reduces only those dp shards over tp, in fp32, once per step. Why this order: docs/distributed.md
+("Reduction order under dp × tp").
 """
 
 import torch
@@ -41,8 +27,6 @@ class FSDPShardedGrads(GradAttributeSource):
     takes it takes the unreduced part with it. Pending too: a backward inside `accumulate` whose grads FSDP
     kept unreduced (no-sync); FSDP's own rule applies to those (a `zero_grad` does not drop them).
     """
-
-    name = "fsdp_sharded_grads"
 
     def __init__(self, params: list[nn.Parameter], group):
         super().__init__(params, group)

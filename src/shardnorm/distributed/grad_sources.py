@@ -1,20 +1,12 @@
 """Where a reducer's partial sums come from: the one input of `NormGradReducer` that differs per setup.
 
-The reducer owns everything else (fp32 buckets, accumulation, "first grad of this backward", the end-of-
-backward callback, finalize, counting). A source only says how a rank's not-yet-reduced partial sums reach
-it, in one of two ways:
+- pushed: the grad is handed to `reducer.add(params, grads, group)` as it is computed (`NormBackward`: the
+  norms' own backward, `grad_routing.py`).
+- harvested (`GradAttributeSource`): the partial sums sit in `param.grad`; at the step boundary the part not
+  reduced yet is taken out into the reducer's buffer (`PartialGrads`: a hook's, DeepSpeed AutoTP;
+  `FSDPShardedGrads`: FSDP2's reduce-scatter output, `fsdp_norm_grads.py`).
 
-- pushed: the grad is handed to `reducer.add(params, grads, group)` as it is computed. `NormBackward`:
-  shardnorm's norms (`grad_routing.py`) under DTensor sequence parallelism and the process-group mode.
-  Any other caller of `add` (an adapter's hook) is a pushed source too.
-- harvested (`GradAttributeSource`): someone else leaves the partial sums in `param.grad`; at the step
-  boundary the source takes the part not reduced yet out of `.grad` into the reducer's fp32 buffer, and
-  finalize reduces it and adds it back. `PartialGrads`: a hook left local partial sums there (DeepSpeed
-  AutoTP's q/k norms; Hugging Face tensor-parallel styles). `FSDPShardedGrads`
-  (`fsdp_norm_grads.py`): FSDP2's reduce-scatter output, still partial over tp.
-
-The one attribute shardnorm sets for the reducer, `REDUCER_ATTR`, is on the model (its reducer) and on the
-norm parameters a reducer owns (the reducer they belong to); no other parameter carries it.
+`REDUCER_ATTR` is set on the model (its reducer) and on the norm parameters a reducer owns, nothing else.
 """
 
 import torch
@@ -28,8 +20,6 @@ class GradSource:
     """Base: a pushed source (it calls `reducer.add`) with nothing to harvest. The reducer calls `attach`
     once, from its constructor."""
 
-    name = "pushed"
-    pushed = True  # grads arrive through `reducer.add` (a norm parameter bound to the reducer routes there)
     ends_step = False  # True: every backward the source reports ends the step, whatever `accumulate` says
 
     def attach(self, reducer) -> None:
@@ -58,8 +48,6 @@ class NormBackward(GradSource):
     """shardnorm's norms push their fp32 dgamma/dbeta from their backward (`grad_routing.route_to_reducer`)
     into the reducer bound to their parameters; autograd never writes those parameters' `.grad`."""
 
-    name = "norm_backward"
-
     def bind(self, params) -> None:
         for p in params:
             setattr(p, REDUCER_ATTR, self.reducer)
@@ -68,7 +56,7 @@ class NormBackward(GradSource):
 def bound_reducer(param):
     """The reducer a norm parameter's grads are pushed to (`NormBackward.bind`), or None."""
     reducer = getattr(param, REDUCER_ATTR, None)
-    return reducer if reducer is not None and reducer.source.pushed else None
+    return reducer if reducer is not None and isinstance(reducer.source, NormBackward) else None
 
 
 def local_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -83,8 +71,6 @@ class GradAttributeSource(GradSource):
     hold unreduced grads (`_unreduced`) and what part of their `.grad` was reduced already (`_base`).
     The partial sums live in `.grad`, so a `zero_grad` drops them with the rest of the step's grads.
     """
-
-    pushed = False
 
     def __init__(self, params: list[nn.Parameter], group):
         self.params, self.group = list(params), group
@@ -140,7 +126,6 @@ class PartialGrads(GradAttributeSource):
     buckets, `shardnorm.accumulate` or not (the framework steps after it). DeepSpeed AutoTP passes
     `engine.is_gradient_accumulation_boundary`."""
 
-    name = "partial_grads"
     ends_step = True
 
     def __init__(self, params: list[nn.Parameter], group, *, boundary=lambda: True):
