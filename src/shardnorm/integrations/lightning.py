@@ -1,19 +1,12 @@
 """shardnorm under Lightning Fabric's `ModelParallelStrategy` (FSDP2 x tensor parallelism).
 
-`parallelize_fn(tp_plan)` is the function `ModelParallelStrategy(parallelize_fn=...)` calls with the
-model and Fabric's 2-D mesh ("data_parallel", "tensor_parallel"): it converts the model's norms
-(`shardnorm.convert`), applies the user's tensor-parallel plan on the tensor-parallel dim (put
-`shardnorm.distributed.SequenceParallelNorm()` where torch's `SequenceParallel` would go), and shards
-with `shardnorm.fsdp.shard_model` over the data-parallel dim. Sequence-parallel norm grads are then
-reduced over dp by FSDP and over tp by shardnorm, once per optimizer step in fp32.
-
-`strategy(tp_plan, ...)` returns that `ModelParallelStrategy` with Fabric's `no_backward_sync` tied
-to shardnorm: `with fabric.no_backward_sync(model, enabled=not last):` skips FSDP's dp reduction
-(Fabric's own behaviour) and enters `shardnorm.accumulate(model)`, so the tp reduction of the norm
-grads waits for the last micro-batch too. Needs `pip install shardnorm[lightning]`.
+`parallelize_fn(tp_plan)` converts the model's norms, applies the user's tensor-parallel plan on Fabric's
+"tensor_parallel" dim and shards with `shardnorm.fsdp.shard_model` over "data_parallel". `strategy(tp_plan)`
+returns that strategy with Fabric's `no_backward_sync` also entering `shardnorm.accumulate(model)`, so the
+norm grads' tp reduction waits for the last micro-batch too (docs/integrations/lightning.md).
 """
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, nullcontext
 
 try:
     from lightning.fabric.strategies.model_parallel import ModelParallelStrategy, _ParallelBackwardSyncControl
@@ -62,17 +55,10 @@ def parallelize_fn(tp_plan=None, *, block_classes=None, mp_policy=None, bucket_c
 class ShardnormBackwardSyncControl(_ParallelBackwardSyncControl):
     """Fabric's FSDP2 no-sync control plus `shardnorm.accumulate` (tp reduction of the norm grads)."""
 
+    @contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool):
-        return _with_accumulate(super().no_backward_sync(module, enabled), module, enabled)
-
-
-@contextmanager
-def _with_accumulate(fabric_context, module: nn.Module, enabled: bool):
-    with ExitStack() as stack:
-        stack.enter_context(fabric_context)
-        if enabled:
-            stack.enter_context(shardnorm.accumulate(module))
-        yield
+        with super().no_backward_sync(module, enabled), shardnorm.accumulate(module) if enabled else nullcontext():
+            yield
 
 
 def strategy(tp_plan=None, *, data_parallel_size="auto", tensor_parallel_size="auto", block_classes=None,

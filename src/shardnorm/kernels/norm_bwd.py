@@ -1,17 +1,11 @@
 """Backward kernels of the norm family and their launcher.
 
-Rows that fit in registers take `norm_bwd_kernel`, one pass over x and dy: P persistent programs walk
-the row blocks grid-stride, write dx, and keep dgamma/dbeta partial sums in fp32 registers. Longer
-rows take the split backward: `row_sums_kernel` reads [BLOCK_M, BLOCK_N] tiles for the two per-row
-reductions dx needs (partial sums per column tile) and the dgamma/dbeta partials, then `dx_kernel`
-reads the tiles again and writes dx. On Hopper the shapes of `config.STAGED_BWD` take the staged
-backward instead (`norm_bwd_staged.py`, Gluon): the row held in shared memory, x and dy read once.
-
-Either way each program (row group) owns one row of a [P, G*N] fp32 partial buffer and writes it
-even when it got no rows; `column_sum_kernel` reduces that buffer over P in a fixed order. Tiny inputs
-(`config.direct_grads`) skip both: one one-pass program takes every row and stores dgamma/dbeta itself.
-Deterministic (bitwise repeatable): no atomic adds into results (the staged backward's exchange words
-only carry each slice's partial row sums, added in slice order).
+Rows that fit in registers take `norm_bwd_kernel`, one pass over x and dy by persistent programs that keep
+dgamma/dbeta partial sums in fp32 registers; longer rows the split backward (`row_sums_kernel`, then
+`dx_kernel`), or on Hopper the staged one (`norm_bwd_staged.py`). Each program (row group) owns one row of a
+[P, G*N] fp32 partial buffer, written even when it got no rows, which `column_sum_kernel` reduces in a fixed
+order: bitwise repeatable, no atomics. Tiny inputs (`config.direct_grads`) take one program that stores
+dgamma/dbeta itself.
 """
 
 import functools
