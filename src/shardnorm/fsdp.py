@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardnorm._torch_compat import (concatenate_meshes, deferred_module_wrap_policy, flatten_mesh,
                                      fsdp1_mixed_precision)
-from shardnorm.distributed.accumulation import attach_reducer, reducer_of
+from shardnorm.distributed.accumulation import attach_reducer, refuse_pending
 from shardnorm.distributed.fsdp_checkpoint import load, pending_grads, save
 from shardnorm.distributed.fsdp_norm_grads import FSDPShardedGrads
 from shardnorm.distributed.reducer import DEFAULT_BUCKET_CAP_MB, NormGradReducer
@@ -179,11 +179,8 @@ _FSDP_SHARDED = "_shardnorm_fsdp_sharded"
 
 
 def _norm_guard(fqn: str, source: FSDPShardedGrads | None, sequence_parallel: bool):
-    """Forward pre-hook: the norm must see FSDP's unsharded params; the reducer takes those over.
-
-    Parameters are told apart by an attribute, not by `id()`: inside a compiled block an `id()` check
-    becomes a guard on each layer's own parameter, and dynamo recompiles the block per layer.
-    """
+    """Forward pre-hook: the norm must see FSDP's unsharded params; the reducer takes those over. Parameters
+    are told apart by an attribute: inside a compiled block an `id()` check would recompile it per layer."""
 
     def hook(module: nn.Module, args):
         for name, p in module.named_parameters(recurse=False):
@@ -210,10 +207,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None,
     """
     dp_mesh, tp_mesh = _dp_tp_meshes(mesh, dp_dims, tp_dim, replicate_dim)
     blocks = _checked_block_classes(model, block_classes)
-    old = reducer_of(model)
-    if old is not None and old.has_pending:
-        raise RuntimeError("shardnorm: the model's norm-grad reducer holds accumulated grads; call "
-                           "shardnorm.finalize_grads(model) before shard_model")
+    refuse_pending(model, "shard_model")
     norms = [(fqn, m, any([_sequence_parallel(f"{fqn}.{n}", p, dp_mesh) for n, p in m.named_parameters()]))
              for fqn, m in model.named_modules() if isinstance(m, SHARDNORM_CLASSES)]
     if any(sp for *_, sp in norms) and (tp_mesh is None or tp_mesh.size() == 1):

@@ -21,10 +21,7 @@ def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardnorm: attach_reducer needs the model (a torch.nn.Module), got {type(model).__name__}")
-    old = reducer_of(model)
-    if old is not None and old.has_pending:
-        raise RuntimeError("shardnorm: the model's reducer holds accumulated grads; call "
-                           "shardnorm.finalize_grads(model) before attaching a new reducer")
+    refuse_pending(model, "attaching a new reducer")
     reducer = NormGradReducer(bucket_cap_mb=bucket_cap_mb, reduce=reduce, source=source)
     setattr(model, REDUCER_ATTR, reducer)
     reducer.source.bind(norm_params(model))
@@ -39,6 +36,14 @@ def norm_params(model: nn.Module) -> list[nn.Parameter]:
 def reducer_of(model: nn.Module) -> NormGradReducer | None:
     """The reducer `attach_reducer` gave `model`, or None. Never creates one."""
     return getattr(model, REDUCER_ATTR, None)
+
+
+def refuse_pending(model: nn.Module, before: str) -> None:
+    """Raise if `model`'s reducer holds accumulated grads, which replacing or rewrapping it would lose."""
+    old = reducer_of(model)
+    if old is not None and old.has_pending:
+        raise RuntimeError(f"shardnorm: the model's norm-grad reducer holds accumulated grads; call "
+                           f"shardnorm.finalize_grads(model) before {before}")
 
 
 def _skip_fsdp_reduction(model: nn.Module, stack: ExitStack) -> None:
@@ -56,11 +61,10 @@ def _skip_fsdp_reduction(model: nn.Module, stack: ExitStack) -> None:
 def accumulate(model: nn.Module, *, fsdp_sync: bool = False):
     """Backward passes run inside this context accumulate grads without reducing them across ranks.
 
-    The first backward outside it (or `finalize_grads`) reduces everything accumulated, each reduction
-    once: the model's norm-grad reducer's and FSDP's (FSDP2 `set_requires_gradient_sync`, FSDP1 `no_sync`).
-    `fsdp_sync=True` lets FSDP reduce-scatter in every backward still; the norms' tp reduction waits either
-    way. Raises for sequence-parallel (DTensor) norms without a reducer: nothing would reduce their
-    accumulated `Partial` grads. Yields the model's reducer (None without one).
+    The first backward outside it (or `finalize_grads`) reduces everything accumulated, each reduction once:
+    the norm-grad reducer's and FSDP's (`fsdp_sync=True`: FSDP's still in every backward). Raises for
+    sequence-parallel norms without a reducer, whose `Partial` grads nothing would reduce. Yields the reducer
+    (None without one).
     """
     reducer = reducer_of(model)
     if reducer is None:

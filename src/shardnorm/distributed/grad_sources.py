@@ -1,10 +1,8 @@
 """Where a reducer's partial sums come from: the one input of `NormGradReducer` that differs per setup.
 
-- pushed: the grad is handed to `reducer.add(params, grads, group)` as it is computed (`NormBackward`: the
-  norms' own backward, `grad_routing.py`).
-- harvested (`GradAttributeSource`): the partial sums sit in `param.grad`; at the step boundary the part not
-  reduced yet is taken out into the reducer's buffer (`PartialGrads`: a hook's, DeepSpeed AutoTP;
-  `FSDPShardedGrads`: FSDP2's reduce-scatter output, `fsdp_norm_grads.py`).
+Pushed: handed to `reducer.add` as computed (`NormBackward`: the norms' own backward, `grad_routing.py`).
+Harvested (`GradAttributeSource`): left in `param.grad`, and at the step boundary the part not reduced yet is
+taken out into the reducer's buffer (`PartialGrads`: DeepSpeed AutoTP's; `FSDPShardedGrads`: FSDP2's).
 
 `REDUCER_ATTR` is set on the model (its reducer) and on the norm parameters a reducer owns, nothing else.
 """
@@ -59,18 +57,15 @@ def bound_reducer(param):
     return reducer if reducer is not None and isinstance(reducer.source, NormBackward) else None
 
 
-def local_grad(param: nn.Parameter) -> torch.Tensor | None:
-    grad = param.grad
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of `t`: a DTensor's local tensor; a plain tensor or None as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GradAttributeSource(GradSource):
-    """Partial sums that accumulate in `param.grad` over `group`; harvested at the step boundary.
-
-    `params` are laid out in the reducer's buckets at once, in this order. A subclass says which params
-    hold unreduced grads (`_unreduced`) and what part of their `.grad` was reduced already (`_base`).
-    The partial sums live in `.grad`, so a `zero_grad` drops them with the rest of the step's grads.
-    """
+    """Partial sums that accumulate in `param.grad` over `group` (so a `zero_grad` drops them), harvested at the
+    step boundary. A subclass says which params hold unreduced grads (`_unreduced`) and what part of their
+    `.grad` was reduced already (`_base`)."""
 
     def __init__(self, params: list[nn.Parameter], group):
         self.params, self.group = list(params), group
@@ -96,16 +91,16 @@ class GradAttributeSource(GradSource):
             if base is None:
                 p.grad = None
             else:
-                local = local_grad(p)
+                local = local_tensor(p.grad)
                 local.copy_(base.view_as(local))
         self._forget()
 
     def harvest(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         taken = []
         for p in self._unreduced():
-            local = local_grad(p)
+            local = local_tensor(p.grad)
             if local is None:  # reduced as zeros: another rank may hold a grad for it
-                taken.append((p, torch.zeros(_local_numel(p), dtype=torch.float32, device=p.device)))
+                taken.append((p, torch.zeros(local_tensor(p).numel(), dtype=torch.float32, device=p.device)))
                 continue
             base = self._base(p)
             partial = local.reshape(-1).to(torch.float32, copy=True)
@@ -120,11 +115,9 @@ class GradAttributeSource(GradSource):
 
 
 class PartialGrads(GradAttributeSource):
-    """A hook leaves each rank's local partial sums in `.grad` over the micro-batches (all of `.grad` is
-    unreduced: the optimizer zeroes it after each step). A backward for which `boundary()` is true ends
-    the step: its end harvests every param (zeros where `.grad` is None), so each rank reduces the same
-    buckets, `shardnorm.accumulate` or not (the framework steps after it). DeepSpeed AutoTP passes
-    `engine.is_gradient_accumulation_boundary`."""
+    """A hook leaves each rank's local partial sums in `.grad` (all of it unreduced). A backward for which
+    `boundary()` is true (DeepSpeed's `engine.is_gradient_accumulation_boundary`) ends the step, `accumulate`
+    or not: its end harvests every param, zeros where `.grad` is None, so each rank reduces the same buckets."""
 
     ends_step = True
 
@@ -153,6 +146,3 @@ class PartialGrads(GradAttributeSource):
     def _forget(self) -> None:
         self._pending = False
 
-
-def _local_numel(param) -> int:
-    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardnorm._torch_compat import current_graph_task_id, queue_backward_callback
-from shardnorm.distributed.grad_sources import GradSource, NormBackward
+from shardnorm.distributed.grad_sources import GradSource, NormBackward, local_tensor
 
 ReduceMode = Literal["bucketed", "per_layer"]
 
@@ -44,7 +44,7 @@ class _Slot:
         """Mark the param's `.grad` as the holder of this slot's pending sum (zeros where it was None)."""
         grad = self.param.grad
         if grad is None:
-            grad = self.param.grad = _as_grad(self.param, torch.zeros_like(_local(self.param)))
+            grad = self.param.grad = _as_grad(self.param, torch.zeros_like(local_tensor(self.param)))
             self.placed = True
         if not grad.requires_grad:
             grad.requires_grad_(True)
@@ -169,22 +169,18 @@ class NormGradReducer:
             self._begin_backward(task)
 
     def register(self, params: list, group) -> None:
-        """Lay these parameters out now, in this order (harvested sources, whose params are known up front).
-
-        Parameters still on the meta device (a model built there and materialized later, as torchtitan and
-        HF's low-memory loading do) are laid out, in the same order, at the first backward after that."""
-        if any(_local(p).is_meta for p in params):
+        """Lay these parameters out now, in this order (harvested sources, whose params are known up front);
+        parameters still on the meta device (torchtitan, HF's low-memory loading) at the first backward."""
+        if any(local_tensor(p).is_meta for p in params):
             self._unmaterialized.append((list(params), group))
             return
         for p in params:
-            self._slot(p, _local(p), group)
+            self._slot(p, local_tensor(p), group)
         self._lay_out_staged()
 
     def add(self, params: list, grads: list[torch.Tensor], group) -> None:
-        """Add one call's local fp32 weight/bias grads (partial sums over this rank's share of `group`).
-
-        The entry of every pushed source (the norms' backward; an adapter's grad hook): call it from inside
-        a backward. The grads are kept (or reduced) here; whoever calls must not also leave them in `.grad`."""
+        """Add one call's local fp32 weight/bias grads (partial sums over this rank's share of `group`), from
+        inside a backward. The grads are kept (or reduced) here: whoever calls must not leave them in `.grad`."""
         self.note_backward()
         slots = [self._slot(p, g, group) for p, g in zip(params, grads)]
         for s in slots:
@@ -226,7 +222,7 @@ class NormGradReducer:
         """Lay out what `register` got on the meta device, now that the model holds real storage."""
         pending, self._unmaterialized = self._unmaterialized, []
         for params, group in pending:
-            if any(_local(p).is_meta for p in params):
+            if any(local_tensor(p).is_meta for p in params):
                 raise RuntimeError("shardnorm: norm parameters are still on the meta device at the first backward; "
                                    "materialize the model (e.g. `model.to_empty(device=...)` and its weight init) "
                                    "before training")
@@ -363,16 +359,13 @@ def _refuse_pending_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_pre_hook(_refuse_pending_step)
 
 
-def _as_grad(param, local: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's values of `param`, any shape of its numel) shaped and placed as `param`'s grad."""
+def _as_grad(param, values: torch.Tensor) -> torch.Tensor:
+    """`values` (this rank's part of `param`, any shape of its numel) shaped and placed as `param`'s grad."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(local.view(param.to_local().shape), param.device_mesh, param.placements,
+        return DTensor.from_local(values.view(param.to_local().shape), param.device_mesh, param.placements,
                                   run_check=False, shape=param.shape, stride=param.stride())
-    return local.view(param.shape)
+    return values.view(param.shape)
 
-
-def _local(param) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _add_into(slots: list[_Slot], flat: torch.Tensor) -> None:

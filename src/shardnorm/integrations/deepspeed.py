@@ -15,15 +15,6 @@ from .deepspeed_conversion import convert_norms, planned_norms
 __all__ = ["ShardnormConfigError", "ShardnormSection", "apply", "initialize", "parse_section", "read_section"]
 
 
-def _import_deepspeed():
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise ImportError("shardnorm.integrations.deepspeed.initialize needs DeepSpeed: "
-                          "pip install 'shardnorm[deepspeed]'") from e
-    return deepspeed
-
-
 def apply(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     """Convert `model`'s norms as the config's "shardnorm" section asks; returns the model.
 
@@ -45,12 +36,13 @@ def apply(model: torch.nn.Module, config: Any) -> torch.nn.Module:
 
 
 def initialize(model: torch.nn.Module = None, config: Any = None, **kwargs):
-    """`deepspeed.initialize` with the "shardnorm" section applied first; returns what it returns.
-
-    Every other argument goes to `deepspeed.initialize` unchanged (an optimizer or
-    `model_parameters` built before the call still holds the same Parameters: conversion keeps them).
-    """
-    deepspeed = _import_deepspeed()
+    """`deepspeed.initialize` with the "shardnorm" section applied first; returns what it returns. Every other
+    argument goes to it unchanged (an optimizer built before still holds the same Parameters)."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError("shardnorm.integrations.deepspeed.initialize needs DeepSpeed: "
+                          "pip install 'shardnorm[deepspeed]'") from e
     if model is None or config is None:
         raise TypeError("shardnorm.integrations.deepspeed.initialize needs model= and config=")
     ds_config = load_config(config)

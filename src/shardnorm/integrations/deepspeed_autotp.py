@@ -1,12 +1,10 @@
 """DeepSpeed AutoTP training: shardnorm owns the replicated-grad all-reduce of q/k-norm weights.
 
-AutoTP puts a synchronous all-reduce hook on each parameter its partition spec marks `grad_allreduce`
-(Qwen3's q_norm/k_norm), one per parameter per micro-batch. For the norm weights among them shardnorm sets
-the flag that hook registration checks, lets the local partial sums accumulate in `.grad`, and has the
-model's reducer (source `PartialGrads`, the engine's accumulation boundary) all-reduce them once per step
-in fp32 buckets. That needs the grads to stay in `.grad` until the boundary's backward ends: ZeRO stage 0/1
-without `overlap_comm` (docs/integrations/deepspeed.md). DeepSpeed internals are read here only (that flag,
-`_get_hf_tp_plan`, `AutoTP._get_model_type`): DeepSpeed has no public API for them.
+AutoTP all-reduces each parameter its partition spec marks `grad_allreduce` (Qwen3's q/k norms) once per
+micro-batch. For the norm weights among them shardnorm sets the flag its hook registration checks, and the
+model's reducer (source `PartialGrads`) all-reduces their `.grad` once per step in fp32 buckets: ZeRO stage
+0/1 without `overlap_comm` only (docs/integrations/deepspeed.md). The DeepSpeed internals this needs (that
+flag, `_get_hf_tp_plan`, `AutoTP._get_model_type`) are read here only.
 """
 
 import types

@@ -28,11 +28,8 @@ __all__ = ["ShardnormBackwardSyncControl", "parallelize_fn", "strategy"]
 
 def parallelize_fn(tp_plan=None, *, block_classes=None, mp_policy=None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                    dp_dims=DATA_DIM, tp_dim: str = TP_DIM):
-    """A `parallelize_fn(model, device_mesh)` for `ModelParallelStrategy` that applies shardnorm.
-
-    `tp_plan`: None (data parallel only), a `parallelize_module` plan dict, or a callable
-    `(model, tp_mesh) -> None` that parallelizes the model itself (e.g. one plan per block).
-    """
+    """A `parallelize_fn(model, device_mesh)` for `ModelParallelStrategy` that applies shardnorm. `tp_plan`: None
+    (data parallel only), a `parallelize_module` plan dict, or a callable `(model, tp_mesh)`."""
     if tp_plan is not None and not (isinstance(tp_plan, dict) or callable(tp_plan)):
         raise TypeError(f"shardnorm: tp_plan must be a parallelize_module plan dict or a callable "
                         f"(model, tp_mesh), got {type(tp_plan).__name__}")

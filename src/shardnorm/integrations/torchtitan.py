@@ -174,5 +174,3 @@ def llama3_debugmodel() -> ShardnormTrainer.Config:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel as stock
 
     return with_shardnorm(stock())
-
-

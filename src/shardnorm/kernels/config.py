@@ -1,15 +1,10 @@
-"""Launch heuristics for the norm kernels, all in one place.
+"""Launch heuristics for the norm kernels, all in one place (each path: docs/performance.md, "Kernel paths").
 
-Everything here is keyed on the hidden size N (and, for the backward, on how many partial sums it keeps),
-never on the number of rows M, so a new batch or sequence length never triggers a Triton recompilation.
-Per direction: the portable `tl` kernels (every GPU, and the interpreter on CPU) and, for rows longer than
-one program's registers, a specialized kernel where a GPU family measured it faster (`SPECIALIZED`). What
-each path does and measured: docs/performance.md ("Kernel paths").
-
-Numbers below are % of the device-to-device copy bandwidth on one H100 (torch 2.11, Triton 3.6, bf16 x and
-dy, M = 32768 unless stated). "GPU time" is the bare launcher replayed from a CUDA graph
-(`benchmarks/sweep_tiles.py`, which measures alternatives by replacing `fwd_config` / `bwd_config` here);
-"benchmark" is do_bench of the autograd call (`benchmarks/bench_kernels.py`).
+Keyed on the hidden size N (and, backward, on how many partial sums it keeps), never on the row count M, so
+a new batch or sequence length never recompiles. Numbers below are % of copy bandwidth on one H100 (torch
+2.11, Triton 3.6, bf16 x and dy, M = 32768 unless stated): "GPU time" is the bare launcher replayed from a
+CUDA graph (`benchmarks/sweep_tiles.py`, which swaps `fwd_config` / `bwd_config` here), "benchmark" do_bench
+of the autograd call (`benchmarks/bench_kernels.py`).
 """
 
 import functools
@@ -85,11 +80,9 @@ class SplitBwdConfig:
 
 @dataclass(frozen=True)
 class StagedConfig:
-    """The staged kernels (`norm_bwd_staged.py`, `norm_fwd_staged.py`, Gluon): one persistent program per SM
-    holds whole rows in shared memory, copied in chunks of vec x 32 x num_warps elements (vec: elements per
-    16-byte copy). Backward (`staged_slices_bwd_kernel`): rows split into slices of slice_n columns, one
-    program each, in `slots` row slots (3: the next row's sums published before this row's are awaited),
-    exchanging their row sums; one slice (N <= slice_n): whole rows, the next row's copies a row ahead. The
+    """The staged kernels (`norm_bwd_staged.py`, `norm_fwd_staged.py`): rows in shared memory, copied in chunks
+    of vec x 32 x num_warps elements (vec: elements per 16-byte copy). Backward: slices of slice_n columns, one
+    program each, in `slots` row slots (3: the next row's sums published before this row's are awaited); the
     forward (slice_n 0) stages whole rows."""
     num_warps: int
     vec: int = 8
@@ -125,12 +118,10 @@ BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warp
                            dx=TileConfig(block_m=1, block_n=4096, num_warps=8))
 
 
-# Forward with fp32 parameters, one pass, persistent programs holding weight and bias in registers,
-# by next_pow2(N): (warps, programs per SM); for LayerNorm with bias, and for any norm at 16384.
-# Re-reading fp32 parameters for every row (from L2) was the bottleneck there: H100 A/B of GPU
-# time: LayerNorm 8192 +11%, 14336 +20% and 16384 +21% (both were chunked); RMSNorm
-# 16384 +2% over the chunked path. RMSNorm 8192 and both norms at 4096 stay one block per program
-# (RMSNorm 8192 -7%, LayerNorm 4096 -3% when persistent; RMSNorm 4096 92% vs 99% in the sweep).
+# Forward with fp32 parameters, one pass, persistent programs holding weight and bias in registers, by
+# next_pow2(N): (warps, programs per SM); for LayerNorm with bias, and for any norm at 16384. Re-reading fp32
+# parameters for every row was the bottleneck there (H100 A/B of GPU time: LayerNorm 8192 +11%, 14336 +20%,
+# 16384 +21%; RMSNorm 16384 +2%); RMSNorm 8192 and both norms at 4096 were slower persistent (-3% to -7%).
 PERSISTENT_FWD = {8192: (8, 8), 16384: (16, 4)}
 
 
@@ -288,12 +279,9 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
     return cfg.programs(cdiv(m, cfg.block_m), sm_count)
 
 
-# One-pass backwards of at most this many elements (M * N) take every row in one program, which
-# stores dgamma/dbeta itself: no fp32 partial buffer and no column-sum launch, i.e. an allocation and
-# a launch less of host time, the whole cost at such sizes (backward alone 35.7 -> 32.2 us
-# for RMSNorm 8 x 4096 bf16 on CPU with a stubbed launch, pointers as ints included;
-# `python benchmarks/host_time.py --shapes 8x4096`).
-# One program walking 8 x 4096 bf16 (128 KB of x and dy) is a few us of GPU time.
+# One-pass backwards of at most this many elements (M * N) take every row in one program, which stores
+# dgamma/dbeta itself: an allocation and a launch less of host time, the whole cost at such sizes (35.7 ->
+# 32.2 us for RMSNorm 8 x 4096 bf16, `benchmarks/host_time.py`), for a few us of GPU time.
 DIRECT_GRADS_MAX_ELEMENTS = 32768
 
 

@@ -167,11 +167,9 @@ def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_ce
 
 
 class _BwdPlan:
-    """A backward's launches for one N, weight dtype, variant and device: configs and launchers are
-    chosen once, so a call does only what depends on the tensors (M, allocations, pointers). At small
-    sizes the host time of a call is most of the backward's time (docs/performance.md).
-    kernels: `config.specialized(device)`; a staged plan hands the calls its copies cannot take
-    (`_stageable`) to the portable plan of the same shape."""
+    """A backward's launches for one N, weight dtype, variant and device, chosen once so that a call does only
+    what depends on the tensors (host time: docs/performance.md). kernels: `config.specialized(device)`; a
+    staged plan hands the calls its copies cannot take (`_stageable`) to the portable plan of the same shape."""
 
     def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, kernels):
         has_weight = weight_dtype is not None
@@ -219,9 +217,6 @@ class _BwdPlan:
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
         self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
-
-    # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
-    # left out of the launch keys; their dtypes are fixed by src and the plan.
 
     def _grid(self, M):
         """(programs, dx tiles, direct) for M rows; direct: one program writes dgamma/dbeta itself

@@ -1,13 +1,11 @@
 """Long-row backward with the row staged in shared memory (Gluon), so x and dy are read from HBM once.
 
-Persistent programs own rows, or column slices of rows: a program copies its slice of a row's x and dy
-into shared memory chunk by chunk with `cp.async`, takes the two row sums from there, then reads the chunks
-again for dx; two or three row slots keep the next row's copies a row ahead. The slices of a row meet as
-tagged 64-bit words (relaxed stores and polls, launched cooperatively). dgamma/dbeta sums stay in
-registers and go to the same [P, G*N] partial buffer and `column_sum_kernel` as the other backwards.
-Every thread reads back only the elements it copied itself, so a chunk is ready for a thread once its own
-copy group has landed. Gluon does not run under TRITON_INTERPRET: CI checks the split backward (the same
-math in `tl`), the GPU tests this one (tests/test_long_rows_staged.py). Which rows: `config.STAGED_BWD`.
+Persistent programs copy their slice of a row's x and dy into shared memory with `cp.async`, take the two
+row sums from there and read it again for dx, the next row's copies a row ahead; a row's slices meet as
+tagged 64-bit words. dgamma/dbeta sums go to the partial buffer `column_sum_kernel` reduces. Every thread
+reads back only what it copied itself, so a chunk is ready for it once its own copy group has landed. Gluon
+does not run under TRITON_INTERPRET: CI checks the split backward (the same math in `tl`), the GPU tests
+this one (tests/test_long_rows_staged.py). Which rows: `config.STAGED_BWD`.
 """
 
 import functools
