@@ -45,7 +45,7 @@ def test_defaults_and_values():
     section = sd.parse_section({"replace": ["LayerNorm", "*RMSNorm"], "zero_centered_gamma": True,
                                 "grad_reduce": "deepspeed", "bucket_cap_mb": 0.5})
     assert section.replace == ("LayerNorm", "*RMSNorm") and section.zero_centered_gamma
-    assert section.grad_reduce == "deepspeed" and section.bucket_numel == 2**19 // 4
+    assert section.grad_reduce == "deepspeed" and section.bucket_cap_mb == 0.5
 
 
 def test_bad_config_argument():

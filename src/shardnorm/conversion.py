@@ -1,16 +1,9 @@
 """`convert(model)`: swap a model's norms for shardnorm's in place, keeping the very same Parameters.
 
-What is converted is decided by `shardnorm.norm_families` (the math of each known class), never by
-a class-name suffix: `torch.nn.LayerNorm`, `torch.nn.RMSNorm`, and the listed Hugging Face classes
-(Llama, Gemma's `1 + weight`, OLMo2, T5, Cohere, ...). Anything else that looks like a norm is left
-alone and reported in the result's `.skipped` (and in a warning). Parameters are moved over as
-objects, so devices, dtypes, optimizer references, `requires_grad`, parameter hooks and state_dict
-keys and values are kept; nothing is copied or allocated. Under DeepSpeed ZeRO-3 (`zero.Init`)
-the full shape comes from `ds_shape`.
-
-A module whose behaviour lives outside its class (a per-instance `forward`, module hooks, DTensor
-parameters, e.g. from Hugging Face `tp_plan`) is refused with `NormWrapperError`: the new module
-would silently lose it. `wrappers_of` says what is there, `convert_module` converts one module.
+What converts is decided by `shardnorm.norm_families` (the math of each known class), never by a class-name
+suffix; anything else that looks like a norm is left alone and reported. A norm whose behaviour lives
+outside its class (a per-instance `forward`, module hooks, DTensor parameters) is refused with
+`NormWrapperError`, since the new module would silently lose it (docs/convert.md).
 """
 
 import difflib
@@ -27,9 +20,6 @@ from .modules import LayerNorm, RMSNorm
 from .norm_families import KNOWN, Extra, NormFamily, lookup, mismatch
 
 _log = logging.getLogger(__name__)
-
-DEFAULT_CLASSES = None  # every class shardnorm knows (("LayerNorm", "RMSNorm", "*RMSNorm") is a subset)
-
 
 class NormWrapperError(ValueError):
     """A norm carries behaviour (wrappers, hooks, DTensor parameters) that converting it would drop."""
@@ -109,7 +99,9 @@ def _plan(module: torch.nn.Module, extra: Optional[Extra]) -> tuple:
     return (None, reason) if (reason := mismatch(module, family)) else (family, None)
 
 
-def _build(module: torch.nn.Module, family: NormFamily) -> torch.nn.Module:
+def _build(name: str, module: torch.nn.Module, family: NormFamily) -> torch.nn.Module:
+    if found := wrappers_of(module):
+        raise NormWrapperError(name, module, found)
     if type(module) is torch.nn.LayerNorm:
         new = LayerNorm(module.normalized_shape, module.eps, module.elementwise_affine,
                         bias=module.bias is not None, device="meta")
@@ -139,11 +131,7 @@ def convert_module(module: torch.nn.Module, extra: Optional[Extra] = None, name:
     if isinstance(module, (LayerNorm, RMSNorm)):
         return None
     family, _ = _plan(module, extra)
-    if family is None:
-        return None
-    if found := wrappers_of(module):
-        raise NormWrapperError(name, module, found)
-    return _build(module, family)
+    return None if family is None else _build(name, module, family)
 
 
 def unknown_classes(classes: Iterable[str], extra: Optional[Extra] = None) -> list:
@@ -181,7 +169,7 @@ def _replacements(model: torch.nn.Module, patterns: Optional[tuple], extra: Opti
         if not isinstance(module, (LayerNorm, RMSNorm)) and _matches(type(module).__name__, patterns):
             family, reason = _plan(module, extra)
             if family is not None:
-                new = convert_module(module, extra, name)
+                new = _build(name, module, family)
                 converted.append(name)
             elif _looks_like_norm(module):
                 skipped.append(Skipped(name, type(module).__name__, reason))
@@ -200,27 +188,28 @@ def _replacements(model: torch.nn.Module, patterns: Optional[tuple], extra: Opti
     return swaps, converted, skipped
 
 
-def convertible(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_CLASSES, *,
+def convertible(model: torch.nn.Module, classes: Optional[Iterable[str]] = None, *,
                 extra: Optional[Extra] = None) -> list:
     """(name, replacement) for each module `convert(model, classes, extra=extra)` would replace, the replacement
     sharing its Parameters, with the model untouched. Raises what `convert` would raise."""
-    patterns = _patterns(classes)
-    if patterns is not None:
-        _check_classes(patterns, extra)
+    patterns = _patterns(classes, extra)
     swaps, converted, _ = _replacements(model, patterns, extra)
     new_modules = list({id(new): new for _, _, new in swaps}.values())  # aliases: one replacement, one name
     return list(zip(converted, new_modules))
 
 
-def _patterns(classes: Optional[Iterable[str]]) -> Optional[tuple]:
+def _patterns(classes: Optional[Iterable[str]], extra: Optional[Extra]) -> Optional[tuple]:
+    """`classes` as a tuple of checked names (`_check_classes`); None: every known class."""
     if isinstance(classes, str):
         raise TypeError(f"shardnorm.convert: classes must be a list of class names, got the string {classes!r}")
     if classes is None:
         return None
-    return tuple(classes)
+    patterns = tuple(classes)
+    _check_classes(patterns, extra)
+    return patterns
 
 
-def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_CLASSES, *,
+def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = None, *,
             extra: Optional[Extra] = None, warn: bool = True, keep_output: bool = True) -> ConvertResult:
     """Replace the norms of `model` (and `model` itself if it is one). Returns `ConvertResult`:
     `model, count = convert(model)`, with `.converted` and `.skipped` for the details. Every replacement is
@@ -237,9 +226,7 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = DEFAULT_C
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"shardnorm.convert: model must be a torch.nn.Module, got {type(model).__name__}")
-    patterns = _patterns(classes)
-    if patterns is not None:
-        _check_classes(patterns, extra)
+    patterns = _patterns(classes, extra)
     swaps, converted, skipped = _replacements(model, patterns, extra)
     for parent, attribute, new in swaps:
         if parent is None:

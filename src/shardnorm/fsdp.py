@@ -1,10 +1,7 @@
 """shardnorm models under FSDP: FSDP1 wrap policy and fp32-norm mixed precision, FSDP2 `shard_model`,
-checkpoints that refuse to drop accumulated grads. (Gradient accumulation without communication, FSDP's
-included: `shardnorm.accumulate(model)`.)
+checkpoints that refuse to drop accumulated grads (docs/distributed.md).
 
-One FSDP unit per transformer block (given, or found as the repeated child modules that contain a
-norm) plus the root; a norm is never a unit of its own. Under FSDP2 × TP the sequence-parallel norm
-grads are reduced over dp by FSDP, then over tp by shardnorm (see `fsdp_norm_grads`).
+One FSDP unit per transformer block plus the root; a norm is never a unit of its own.
 """
 
 from collections import Counter
@@ -18,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardnorm._torch_compat import (concatenate_meshes, deferred_module_wrap_policy, flatten_mesh,
                                      fsdp1_mixed_precision)
-from shardnorm.distributed.accumulation import attach_reducer, reducer_of
+from shardnorm.distributed.accumulation import attach_reducer, refuse_pending
 from shardnorm.distributed.fsdp_checkpoint import load, pending_grads, save
 from shardnorm.distributed.fsdp_norm_grads import FSDPShardedGrads
 from shardnorm.distributed.reducer import DEFAULT_BUCKET_CAP_MB, NormGradReducer
@@ -97,12 +94,8 @@ def norm_mixed_precision(param_dtype: torch.dtype = torch.bfloat16,
                          reduce_dtype: torch.dtype = torch.float32) -> MixedPrecision:
     """FSDP1 `MixedPrecision` that keeps norm params, their grads and their reduction in fp32.
 
-    FSDP1 flattens a unit's params into one flat parameter of one dtype, so the only way it keeps norms
-    in fp32 inside a bf16 model is `_module_classes_to_ignore`: FSDP then wraps each norm as its own
-    full-precision unit (a small extra all-gather and reduce-scatter per norm) and casts its inputs to
-    fp32. Opt-in for that reason; `auto_wrap_policy` alone never makes a norm a unit. (FSDP2: use
-    `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: norm grads accumulate and reduce in
-    fp32, and shardnorm's math is fp32 whatever the param dtype.)
+    Opt-in: FSDP1 keeps them in fp32 only by making each norm its own full-precision unit (a small extra
+    all-gather and reduce-scatter per norm; docs/distributed.md). Under FSDP2 use `MixedPrecisionPolicy`.
     """
     return fsdp1_mixed_precision(param_dtype, reduce_dtype, param_dtype, full_precision_classes=NORM_CLASSES)
 
@@ -132,10 +125,8 @@ def _dp_tp_meshes(mesh: DeviceMesh, dp_dims: DimNames | None = "dp", tp_dim: str
                   replicate_dim: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
     """The mesh FSDP shards over (1-D, or 2-D replicate x shard for HSDP) and the tensor-parallel mesh.
 
-    A 1-D mesh is the data-parallel mesh whatever its name. Several `dp_dims`
-    (e.g. torchtitan's ("dp_shard", "cp")) are flattened into one shard dim: FSDP then reduces the
-    norm grads over all of them, which is what context parallelism needs (each cp rank holds a partial
-    sum over its part of the sequence).
+    A 1-D mesh is the data-parallel mesh whatever its name. Several `dp_dims` (torchtitan's ("dp_shard",
+    "cp")) are flattened into one shard dim, so FSDP reduces the norm grads over context parallelism too.
     """
     names = mesh.mesh_dim_names or ()
     shard = _names("dp_dims", dp_dims)
@@ -188,11 +179,8 @@ _FSDP_SHARDED = "_shardnorm_fsdp_sharded"
 
 
 def _norm_guard(fqn: str, source: FSDPShardedGrads | None, sequence_parallel: bool):
-    """Forward pre-hook: the norm must see FSDP's unsharded params; the reducer takes those over.
-
-    Parameters are told apart by an attribute, not by `id()`: inside a compiled block an `id()` check
-    becomes a guard on each layer's own parameter, and dynamo recompiles the block per layer.
-    """
+    """Forward pre-hook: the norm must see FSDP's unsharded params; the reducer takes those over. Parameters
+    are told apart by an attribute: inside a compiled block an `id()` check would recompile it per layer."""
 
     def hook(module: nn.Module, args):
         for name, p in module.named_parameters(recurse=False):
@@ -201,7 +189,7 @@ def _norm_guard(fqn: str, source: FSDPShardedGrads | None, sequence_parallel: bo
                     f"shardnorm: {fqn}.{name} is still FSDP-sharded (placements "
                     f"{tuple(getattr(p, 'placements', ()))}) when its norm runs: FSDP all-gathers it only "
                     f"inside the forward of the FSDP unit that holds it; call the norm through that unit")
-            if sequence_parallel and source is not None:
+            if sequence_parallel:
                 source.track(p)
 
     return hook
@@ -213,19 +201,13 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None,
                 replicate_dim: str | None = None) -> nn.Module:
     """`fully_shard` each transformer block, then the root, over the dp mesh; after tensor parallelism.
 
-    `mesh`: 1-D (dp), or named dims: `dp_dims` the dim(s) FSDP shards over (several, e.g. ("dp_shard",
-    "cp"), are flattened into one), `replicate_dim` HSDP's replicate dim, `tp_dim` the dim norms were
-    parallelized over (e.g. `SequenceParallelNorm`); defaults ("dp", "tp"); Lightning's are
-    dp_dims="data_parallel", tp_dim="tensor_parallel". Sequence-parallel norm grads are reduced over the
-    data dims by FSDP and over tp by the model's reducer (source `FSDPShardedGrads`, driven by
-    `shardnorm.accumulate` / `finalize_grads`). Returns `model`.
+    `mesh`: 1-D (dp), or named dims: `dp_dims` the dim(s) FSDP shards over (several are flattened into one),
+    `replicate_dim` HSDP's replicate dim, `tp_dim` the dim norms were parallelized over. Sequence-parallel
+    norm grads are reduced over dp by FSDP and over tp by the model's reducer. Returns `model`.
     """
     dp_mesh, tp_mesh = _dp_tp_meshes(mesh, dp_dims, tp_dim, replicate_dim)
     blocks = _checked_block_classes(model, block_classes)
-    old = reducer_of(model)
-    if old is not None and old.has_pending:
-        raise RuntimeError("shardnorm: the model's norm-grad reducer holds accumulated grads; call "
-                           "shardnorm.finalize_grads(model) before shard_model")
+    refuse_pending(model, "shard_model")
     norms = [(fqn, m, any([_sequence_parallel(f"{fqn}.{n}", p, dp_mesh) for n, p in m.named_parameters()]))
              for fqn, m in model.named_modules() if isinstance(m, SHARDNORM_CLASSES)]
     if any(sp for *_, sp in norms) and (tp_mesh is None or tp_mesh.size() == 1):
@@ -247,7 +229,7 @@ def install_norm_grad_reducer(model: nn.Module, norms, tp_mesh: DeviceMesh | Non
     """After FSDP2 wrapped `model`: give its sequence-parallel norms the tp reducer and the sharding guard.
 
     `norms`: (fqn, module, sequence_parallel) for each shardnorm norm, decided before FSDP swapped the
-    params. For frameworks that call `fully_shard` themselves (torchtitan); `shard_model` calls it too.
+    params (for frameworks that call `fully_shard` themselves: torchtitan).
     """
     sp_params = [p for _, m, sp in norms if sp for p in m.parameters(recurse=False)]
     reducer = source = None

@@ -1,19 +1,8 @@
 """The table `convert` reads: which norm classes shardnorm knows, and the math each one does.
 
-`convert` decides by this table, never by a class-name suffix: a class that is neither listed here
-nor a plain `torch.nn.LayerNorm` / `torch.nn.RMSNorm` is left alone and reported. Each family names
-the forward its classes compute (checked class by class against the installed transformers by
-tests/test_hf_models.py), so adding a class means checking its forward against a family's and
-listing it there; a new kind of math is a new `NormFamily`.
-
-Where the dtype cast happens: shardnorm normalizes and scales in fp32 and rounds once, to the
-input's dtype. Families with `scale_in="float32"` (Gemma, OLMo2, Cohere) do the same. Llama-style
-families (`scale_in="input"`) round the normalized x to the input dtype first and multiply by the
-weight after, so in bf16/fp16 they round twice; shardnorm's output then differs from theirs by
-bf16/fp16 rounding (in fp32 the two agree to fp32 rounding). Llama-style norms also return the
-promoted dtype when the weight's dtype differs from the input's (fp32 weights, bf16 activations);
-shardnorm returns the input's dtype.
-
+Each family names the forward its classes compute (checked class by class against the installed
+transformers by tests/test_hf_models.py): adding a class means checking its forward against a family's;
+a new kind of math is a new `NormFamily`. Where each family rounds to the input dtype: docs/convert.md.
 Class lists: generated from transformers 5.23 by grouping every norm class by its forward's source.
 """
 
@@ -31,8 +20,8 @@ class NormFamily:
     zero_centered_gamma: the scale is (1 + weight) with the stored weight unchanged (Gemma).
     bias: the module has a `bias` Parameter added after the scale (LayerNorm only).
     eps_attr: the attribute holding eps ("variance_epsilon", "eps", "epsilon").
-    scale_in: "float32" (scale, then cast to the input dtype) or "input" (cast, then scale): see the
-        module docstring.
+    scale_in: "float32" (scale, then cast to the input dtype) or "input" (cast, then scale, rounding twice
+        in bf16/fp16); shardnorm always scales in fp32, so it only records how far the original differs.
     """
 
     name: str
@@ -55,82 +44,63 @@ DEBERTA = NormFamily("deberta", rms=False, eps_attr="variance_epsilon", bias=Tru
 TORCH_LAYER_NORM = NormFamily("torch.nn.LayerNorm", rms=False, eps_attr="eps", bias=True)
 TORCH_RMS_NORM = NormFamily("torch.nn.RMSNorm", rms=True, eps_attr="eps")
 
-_LLAMA_CLASSES = (
-    "AXK1RMSNorm", "AXK2RMSNorm", "Aimv2RMSNorm", "ApertusRMSNorm", "ArceeRMSNorm", "AriaTextRMSNorm",
-    "BailingHybridRMSNorm", "BambaRMSNorm", "BitNetRMSNorm", "BltRMSNorm", "ChameleonRMSNorm", "ClvpRMSNorm",
-    "Cohere2MoeRMSNorm", "Cosmos3EdgeTextRMSNorm", "CsmRMSNorm", "CwmRMSNorm", "DeepseekOcr2TextRMSNorm",
-    "DeepseekOcr2VisionRMSNorm", "DeepseekV2RMSNorm", "DeepseekV32RMSNorm", "DeepseekV3RMSNorm",
-    "Deimv2RMSNorm", "DiaRMSNorm", "DiffLlamaRMSNorm", "DogeRMSNorm", "Dots1RMSNorm", "Dots3NoteRMSNorm",
-    "Emu3RMSNorm", "Ernie4_5RMSNorm", "Ernie4_5_MoeRMSNorm", "Ernie4_5_VLMoeRMSNorm", "EuroBertRMSNorm",
-    "EvollaRMSNorm", "Exaone4RMSNorm", "Exaone4_5_RMSNorm", "ExaoneMoeRMSNorm", "FalconH1RMSNorm",
-    "FalconMambaRMSNorm", "Glm4MoeLiteRMSNorm", "Glm4MoeRMSNorm", "Glm4RMSNorm", "Glm4vMoeRMSNorm",
-    "Glm4vMoeTextRMSNorm", "Glm4vRMSNorm", "Glm5NextRMSNorm", "Glm5NextTextRMSNorm", "GlmImageRMSNorm",
-    "GlmMoeDsaRMSNorm", "GlmOcrRMSNorm", "GlmRMSNorm", "Granite4VisionTextRMSNorm", "GraniteDoclingTextRMSNorm",
-    "GraniteMoeHybridRMSNorm", "GraniteMoeRMSNorm", "GraniteMoeSWARMSNorm", "GraniteMoeSharedRMSNorm",
-    "GraniteRMSNorm", "GraniteSWARMSNorm", "HYV3RMSNorm", "HYV4RMSNorm", "HiggsAudioV2RMSNorm",
-    "HunYuanDenseV1RMSNorm", "HunYuanMoEV1RMSNorm", "HunYuanVLRMSNorm", "HyperCLOVAXRMSNorm", "Idefics2RMSNorm",
-    "Idefics3RMSNorm", "InklingRMSNorm", "InternVLVisionRMSNorm", "JambaRMSNorm", "JetMoeRMSNorm",
-    "KimiLinearRMSNorm", "Kolibri1RMSNorm", "LagunaRMSNorm", "Lfm2MoeRMSNorm", "Lfm2RMSNorm", "Lfm3RMSNorm",
-    "Lfm3VlVisionRMSNorm", "LightOnOcrRMSNorm", "LlamaRMSNorm", "LongcatFlashRMSNorm", "Mamba2RMSNorm",
-    "MambaRMSNorm", "MellumRMSNorm", "MiMoV2FlashRMSNorm", "MiniCPM3RMSNorm", "MiniMaxM2RMSNorm",
-    "MiniMaxRMSNorm", "Ministral3RMSNorm", "MinistralRMSNorm", "Mistral3RMSNorm", "Mistral4RMSNorm",
-    "MistralLarge4RMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "MllamaTextRMSNorm", "Molmo2RMSNorm",
-    "MuseGlimmerAssistantRMSNorm", "NeuCodecRMSNorm", "OlmoeRMSNorm", "Ovis2RMSNorm", "PaddleOCRRMSNorm",
-    "PeAudioEncoderRMSNorm", "PeAudioVideoEncoderRMSNorm", "PeVideoEncoderRMSNorm", "Phi3RMSNorm",
-    "Phi4MultimodalRMSNorm", "PixtralRMSNorm", "QianfanOCRVisionRMSNorm", "Qwen2MoeRMSNorm", "Qwen2RMSNorm",
-    "Qwen2VLRMSNorm", "Qwen2_5OmniRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3MoeRMSNorm",
-    "Qwen3OmniMoeCode2WavRMSNorm", "Qwen3OmniMoeRMSNorm", "Qwen3OmniMoeTextRMSNorm",
-    "Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3RMSNorm", "Qwen3VLMoeTextRMSNorm", "Qwen3VLTextRMSNorm",
-    "Sapiens2RMSNorm", "SeedOssRMSNorm", "SmolLM3RMSNorm", "SolarOpenRMSNorm", "TimesFm2_5RMSNorm",
-    "TimesFmRMSNorm", "UltraVBertRMSNorm", "UltrabertRMSNorm", "UnlimitedOcrTextRMSNorm",
-    "VibeVoiceAcousticTokenizerRMSNorm", "VibeVoiceAsrRMSNorm", "VibeVoiceRMSNorm", "VoxtralRealtimeRMSNorm",
-    "Xcodec2RMSNorm", "YoutuRMSNorm", "Zamba2RMSNorm", "ZambaRMSNorm", "ZayaRMSNorm",
-)
-
-_FLOAT32_SCALE_CLASSES = (
-    "AfmoeRMSNorm", "BeamRMSNorm", "FlexOlmoRMSNorm", "FlintRMSNorm", "GptOssRMSNorm", "HeliumRMSNorm",
-    "Inkling2RMSNorm", "NemotronHRMSNorm",
-    "NemotronH_Omni_RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "OlmoHybridRMSNorm", "OpenAIPrivacyFilterRMSNorm",
-)
-
-_GEMMA_CLASSES = (
-    "Gemma2RMSNorm", "Gemma3RMSNorm", "GemmaRMSNorm", "MiniMaxM3VLRMSNorm", "MuseGlimmerTextCenteredRMSNorm",
-    "Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3_5RMSNorm", "RecurrentGemmaRMSNorm", "Step3p7RMSNorm",
-    "T5Gemma2RMSNorm", "T5GemmaRMSNorm", "VaultGemmaRMSNorm",
-)
-
-_GEMMA3N_CLASSES = (
-    "DiffusionGemmaRMSNorm", "EmbeddingGemma2RMSNorm", "Gemma3nRMSNorm", "Gemma4RMSNorm",
-    "Gemma4UnifiedRMSNorm", "MuseGlimmerRMSNorm", "MuseSparkRMSNorm", "NeoMMERMSNorm",
-)
-
-_LLAMA4_CLASSES = (
-    "Llama4TextRMSNorm",
-)
-
-_T5_CLASSES = (
-    "IdeficsRMSNorm", "Kosmos2_5LayerNorm", "LongT5LayerNorm", "MT5LayerNorm", "Pix2StructLayerNorm",
-    "Pop2PianoLayerNorm", "SwitchTransformersLayerNorm", "T5LayerNorm", "UMT5LayerNorm", "UdopLayerNorm",
-)
-
-_COHERE_CLASSES = (
-    "Cohere2LayerNorm", "Cohere2MoeLayerNorm", "CohereCompassLayerNorm", "CohereLayerNorm",
-)
-
-_DEBERTA_CLASSES = (
-    "DebertaLayerNorm",
-)
-_FLOAT32_SCALE_EPS_CLASSES = ("KyutaiSpeechToTextRMSNorm", "MoshiRMSNorm")
-
-
-# class name -> family. Matched by name (a model's own copy of, say, LlamaRMSNorm counts as one)
-# after the structural check in `family_of`, which every listed class passes.
-KNOWN: dict = {}
-for _family, _names in ((LLAMA, _LLAMA_CLASSES), (LLAMA4, _LLAMA4_CLASSES), (FLOAT32_SCALE, _FLOAT32_SCALE_CLASSES),
-                        (FLOAT32_SCALE_EPS, _FLOAT32_SCALE_EPS_CLASSES), (GEMMA, _GEMMA_CLASSES),
-                        (GEMMA3N, _GEMMA3N_CLASSES), (T5, _T5_CLASSES), (COHERE, _COHERE_CLASSES),
-                        (DEBERTA, _DEBERTA_CLASSES)):
-    KNOWN.update(dict.fromkeys(_names, _family))
+# class name -> family. Matched by name (a model's own copy of, say, LlamaRMSNorm counts as one) after the
+# structural check in `mismatch`, which every listed class passes.
+_CLASSES = {
+    LLAMA: (
+        "AXK1RMSNorm", "AXK2RMSNorm", "Aimv2RMSNorm", "ApertusRMSNorm", "ArceeRMSNorm", "AriaTextRMSNorm",
+        "BailingHybridRMSNorm", "BambaRMSNorm", "BitNetRMSNorm", "BltRMSNorm", "ChameleonRMSNorm", "ClvpRMSNorm",
+        "Cohere2MoeRMSNorm", "Cosmos3EdgeTextRMSNorm", "CsmRMSNorm", "CwmRMSNorm", "DeepseekOcr2TextRMSNorm",
+        "DeepseekOcr2VisionRMSNorm", "DeepseekV2RMSNorm", "DeepseekV32RMSNorm", "DeepseekV3RMSNorm", "Deimv2RMSNorm",
+        "DiaRMSNorm", "DiffLlamaRMSNorm", "DogeRMSNorm", "Dots1RMSNorm", "Dots3NoteRMSNorm", "Emu3RMSNorm",
+        "Ernie4_5RMSNorm", "Ernie4_5_MoeRMSNorm", "Ernie4_5_VLMoeRMSNorm", "EuroBertRMSNorm", "EvollaRMSNorm",
+        "Exaone4RMSNorm", "Exaone4_5_RMSNorm", "ExaoneMoeRMSNorm", "FalconH1RMSNorm", "FalconMambaRMSNorm",
+        "Glm4MoeLiteRMSNorm", "Glm4MoeRMSNorm", "Glm4RMSNorm", "Glm4vMoeRMSNorm", "Glm4vMoeTextRMSNorm",
+        "Glm4vRMSNorm", "Glm5NextRMSNorm", "Glm5NextTextRMSNorm", "GlmImageRMSNorm", "GlmMoeDsaRMSNorm",
+        "GlmOcrRMSNorm", "GlmRMSNorm", "Granite4VisionTextRMSNorm", "GraniteDoclingTextRMSNorm",
+        "GraniteMoeHybridRMSNorm", "GraniteMoeRMSNorm", "GraniteMoeSWARMSNorm", "GraniteMoeSharedRMSNorm",
+        "GraniteRMSNorm", "GraniteSWARMSNorm", "HYV3RMSNorm", "HYV4RMSNorm", "HiggsAudioV2RMSNorm",
+        "HunYuanDenseV1RMSNorm", "HunYuanMoEV1RMSNorm", "HunYuanVLRMSNorm", "HyperCLOVAXRMSNorm", "Idefics2RMSNorm",
+        "Idefics3RMSNorm", "InklingRMSNorm", "InternVLVisionRMSNorm", "JambaRMSNorm", "JetMoeRMSNorm",
+        "KimiLinearRMSNorm", "Kolibri1RMSNorm", "LagunaRMSNorm", "Lfm2MoeRMSNorm", "Lfm2RMSNorm", "Lfm3RMSNorm",
+        "Lfm3VlVisionRMSNorm", "LightOnOcrRMSNorm", "LlamaRMSNorm", "LongcatFlashRMSNorm", "Mamba2RMSNorm",
+        "MambaRMSNorm", "MellumRMSNorm", "MiMoV2FlashRMSNorm", "MiniCPM3RMSNorm", "MiniMaxM2RMSNorm", "MiniMaxRMSNorm",
+        "Ministral3RMSNorm", "MinistralRMSNorm", "Mistral3RMSNorm", "Mistral4RMSNorm", "MistralLarge4RMSNorm",
+        "MistralRMSNorm", "MixtralRMSNorm", "MllamaTextRMSNorm", "Molmo2RMSNorm", "MuseGlimmerAssistantRMSNorm",
+        "NeuCodecRMSNorm", "OlmoeRMSNorm", "Ovis2RMSNorm", "PaddleOCRRMSNorm", "PeAudioEncoderRMSNorm",
+        "PeAudioVideoEncoderRMSNorm", "PeVideoEncoderRMSNorm", "Phi3RMSNorm", "Phi4MultimodalRMSNorm",
+        "PixtralRMSNorm", "QianfanOCRVisionRMSNorm", "Qwen2MoeRMSNorm", "Qwen2RMSNorm", "Qwen2VLRMSNorm",
+        "Qwen2_5OmniRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3MoeRMSNorm", "Qwen3OmniMoeCode2WavRMSNorm",
+        "Qwen3OmniMoeRMSNorm", "Qwen3OmniMoeTextRMSNorm", "Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3RMSNorm",
+        "Qwen3VLMoeTextRMSNorm", "Qwen3VLTextRMSNorm", "Sapiens2RMSNorm", "SeedOssRMSNorm", "SmolLM3RMSNorm",
+        "SolarOpenRMSNorm", "TimesFm2_5RMSNorm", "TimesFmRMSNorm", "UltraVBertRMSNorm", "UltrabertRMSNorm",
+        "UnlimitedOcrTextRMSNorm", "VibeVoiceAcousticTokenizerRMSNorm", "VibeVoiceAsrRMSNorm", "VibeVoiceRMSNorm",
+        "VoxtralRealtimeRMSNorm", "Xcodec2RMSNorm", "YoutuRMSNorm", "Zamba2RMSNorm", "ZambaRMSNorm", "ZayaRMSNorm",
+    ),
+    LLAMA4: ("Llama4TextRMSNorm",),
+    FLOAT32_SCALE: (
+        "AfmoeRMSNorm", "BeamRMSNorm", "FlexOlmoRMSNorm", "FlintRMSNorm", "GptOssRMSNorm", "HeliumRMSNorm",
+        "Inkling2RMSNorm", "NemotronHRMSNorm", "NemotronH_Omni_RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm",
+        "OlmoHybridRMSNorm", "OpenAIPrivacyFilterRMSNorm",
+    ),
+    FLOAT32_SCALE_EPS: ("KyutaiSpeechToTextRMSNorm", "MoshiRMSNorm"),
+    GEMMA: (
+        "Gemma2RMSNorm", "Gemma3RMSNorm", "GemmaRMSNorm", "MiniMaxM3VLRMSNorm", "MuseGlimmerTextCenteredRMSNorm",
+        "Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3_5RMSNorm", "RecurrentGemmaRMSNorm", "Step3p7RMSNorm",
+        "T5Gemma2RMSNorm", "T5GemmaRMSNorm", "VaultGemmaRMSNorm",
+    ),
+    GEMMA3N: (
+        "DiffusionGemmaRMSNorm", "EmbeddingGemma2RMSNorm", "Gemma3nRMSNorm", "Gemma4RMSNorm", "Gemma4UnifiedRMSNorm",
+        "MuseGlimmerRMSNorm", "MuseSparkRMSNorm", "NeoMMERMSNorm",
+    ),
+    T5: (
+        "IdeficsRMSNorm", "Kosmos2_5LayerNorm", "LongT5LayerNorm", "MT5LayerNorm", "Pix2StructLayerNorm",
+        "Pop2PianoLayerNorm", "SwitchTransformersLayerNorm", "T5LayerNorm", "UMT5LayerNorm", "UdopLayerNorm",
+    ),
+    COHERE: ("Cohere2LayerNorm", "Cohere2MoeLayerNorm", "CohereCompassLayerNorm", "CohereLayerNorm"),
+    DEBERTA: ("DebertaLayerNorm",),
+}
+KNOWN: dict = {name: family for family, names in _CLASSES.items() for name in names}
 
 Extra = Mapping[Union[type, str], NormFamily]
 

@@ -1,8 +1,5 @@
-"""The same math as the Triton kernels in plain torch (fp32): the CPU backend.
-
-Same signatures and outputs as `kernels.norm_fwd` / `kernels.norm_bwd` (absent outputs are None), so `ops` can
-pick either.
-"""
+"""The same math as the Triton kernels in plain torch (fp32): the CPU backend, with the signatures and outputs
+of `kernels.norm_fwd` / `kernels.norm_bwd` (absent outputs are None), so `ops` can pick either."""
 
 import torch
 
@@ -29,11 +26,8 @@ def statistics(src, eps: float, rms: bool):
 
 
 def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
-    if residual is not None:
-        z = x + residual
-        src = z
-    else:
-        z, src = None, x
+    z = x + residual if residual is not None else None
+    src = x if z is None else z
     mean, rstd = statistics(src, eps, rms)
     y = _xhat(src, mean, rstd, rms)
     if weight is not None:

@@ -1,12 +1,8 @@
-"""Every `SHARDNORM_*` environment variable, read once and validated in one place.
+"""Every `SHARDNORM_*` environment variable, read once and validated in one place (docs/settings.md).
 
-| variable | values | default | effect |
-|---|---|---|---|
-| `SHARDNORM_BACKEND` | `triton`, `torch` | by device | `triton` runs the kernels (CPU tensors need `TRITON_INTERPRET=1`), `torch` the pure-torch reference math; unset: CUDA tensors take Triton, others torch |
-| `SHARDNORM_PORTABLE_KERNELS` | `1`, `0` | `0` | `1`: long rows take the portable Triton kernels on every GPU, not a GPU family's specialized ones (Hopper's staged kernels); for A/B benchmarks. Each call picks its kernel plan by it |
-
-A bad value raises a `ValueError` naming the variable, at the first call that reads it. The values are read
-once per process; code that changes the environment afterwards (tests) calls `reload()`.
+`SHARDNORM_BACKEND` (`triton` or `torch`; unset: by the tensor's device) and `SHARDNORM_PORTABLE_KERNELS`
+(`1`: long rows take the portable kernels on every GPU). A bad value raises a `ValueError` naming the
+variable at the first call that reads it; code that changes the environment afterwards (tests) calls `reload()`.
 """
 
 import dataclasses

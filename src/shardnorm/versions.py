@@ -1,14 +1,12 @@
-"""The torch and Triton releases shardnorm runs on, checked when the package is imported.
-
-The floors are the oldest releases the suite runs on: torch 2.11 (FSDP2's public `fully_shard`, the DTensor
-and compile internals `_torch_compat.py` reads) and Triton 3.6 (`triton.knobs`, the Gluon kernels). An older
-release stops `import shardnorm` with both versions named, rather than failing later with an AttributeError
-inside a kernel or a hook.
+"""The torch and Triton releases shardnorm runs on, checked when the package is imported: an older release
+stops `import shardnorm` with both versions named, rather than failing later inside a kernel or a hook.
 """
 
 import re
 from importlib import metadata
 
+# the oldest releases the suite runs on: torch 2.11 (FSDP2's public `fully_shard`, the internals _torch_compat
+# reads), Triton 3.6 (`triton.knobs`, the Gluon kernels)
 TORCH_FLOOR = (2, 11)
 TRITON_FLOOR = (3, 6)
 # the distributions that install the `triton` module (PyTorch's ROCm builds ship it under another name)

@@ -1,8 +1,4 @@
-"""shardnorm under tensor/sequence parallelism: DTensor norms, the norm-grad reducer, parallel styles.
-
-`shardnorm.accumulate`, `shardnorm.finalize_grads` and `shardnorm.discard_pending` (the package root) drive the
-reducer `attach_reducer` gives a model.
-"""
+"""shardnorm under tensor/sequence parallelism: DTensor norms, the norm-grad reducer, parallel styles."""
 
 from shardnorm.distributed.accumulation import attach_reducer, reducer_of
 from shardnorm.distributed.parallel_style import SequenceParallelNorm, process_group_sequence_parallel

@@ -1,11 +1,6 @@
-"""Model-level control of norm-grad reduction: one reducer per model, micro-batch accumulation, finalize,
-discard.
-
-`attach_reducer` is the one constructor: every grad source (the norms' backward, FSDP2's reduce-scatter
-output, a framework hook's partial sums) gets its `NormGradReducer` through it, stored on the model, so
-`accumulate`, `finalize_grads` and `discard_pending` find it whoever built it. Looking the reducer up never
-creates one.
-"""
+"""Model-level control of norm-grad reduction: one reducer per model, stored on it by `attach_reducer` (the
+one constructor, whatever the grad source), so `accumulate`, `finalize_grads` and `discard_pending` find it
+whoever built it."""
 
 from contextlib import ExitStack, contextmanager
 
@@ -21,22 +16,15 @@ def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
                    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, reduce: ReduceMode = "bucketed") -> NormGradReducer:
     """Give `model` its one reducer for the norm grads that are partial sums over ranks; after parallelizing.
 
-    `source`: where the partial sums come from (default: the norms' own backward, for sequence-parallel
-    norms; `shard_model` passes FSDP2's sharded grads, the DeepSpeed AutoTP adapter a hook's partial sums).
-    The reducer owns the parameters of the model's shardnorm norms (`norm_params`), the only ones it marks.
-    Without a reducer the grads are still right, reduced the way torch does it: DTensor params get
-    `Partial` grads (one all-reduce per parameter when redistributed), plain Megatron-style params keep
-    their local partial sums for Megatron's `finalize_model_grads`.
+    `source`: where the partial sums come from (default: the norms' own backward; `grad_sources.py`). The
+    reducer owns the parameters of the model's shardnorm norms (`norm_params`), the only ones it marks.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardnorm: attach_reducer needs the model (a torch.nn.Module), got {type(model).__name__}")
-    old = reducer_of(model)
-    if old is not None and old.has_pending:
-        raise RuntimeError("shardnorm: the model's reducer holds accumulated grads; call "
-                           "shardnorm.finalize_grads(model) before attaching a new reducer")
+    refuse_pending(model, "attaching a new reducer")
     reducer = NormGradReducer(bucket_cap_mb=bucket_cap_mb, reduce=reduce, source=source)
     setattr(model, REDUCER_ATTR, reducer)
-    reducer.bind(norm_params(model))
+    reducer.source.bind(norm_params(model))
     return reducer
 
 
@@ -48,6 +36,14 @@ def norm_params(model: nn.Module) -> list[nn.Parameter]:
 def reducer_of(model: nn.Module) -> NormGradReducer | None:
     """The reducer `attach_reducer` gave `model`, or None. Never creates one."""
     return getattr(model, REDUCER_ATTR, None)
+
+
+def refuse_pending(model: nn.Module, before: str) -> None:
+    """Raise if `model`'s reducer holds accumulated grads, which replacing or rewrapping it would lose."""
+    old = reducer_of(model)
+    if old is not None and old.has_pending:
+        raise RuntimeError(f"shardnorm: the model's norm-grad reducer holds accumulated grads; call "
+                           f"shardnorm.finalize_grads(model) before {before}")
 
 
 def _skip_fsdp_reduction(model: nn.Module, stack: ExitStack) -> None:
@@ -65,16 +61,10 @@ def _skip_fsdp_reduction(model: nn.Module, stack: ExitStack) -> None:
 def accumulate(model: nn.Module, *, fsdp_sync: bool = False):
     """Backward passes run inside this context accumulate grads without reducing them across ranks.
 
-    The first backward outside it (or `finalize_grads`) reduces everything accumulated, each reduction
-    once. Covers the model's norm-grad reducer and FSDP (FSDP2 `set_requires_gradient_sync`, FSDP1
-    `no_sync`) when `model` is FSDP-wrapped. `fsdp_sync=True` lets FSDP reduce-scatter in every
-    backward still (its sharded grads use less memory); the norm grads' tensor-parallel reduction waits
-    either way. A model with neither a reducer nor FSDP has nothing to hold back: a no-op, which adds
-    no state to it; one with sequence-parallel (DTensor) norms and no reducer raises, since nothing would
-    reduce their accumulated `Partial` grads. Yields the model's reducer (None without one).
-
-    A step given up before its last backward (a NaN loss) is dropped by the `zero_grad` that follows, or by
-    `discard_pending(model)`.
+    The first backward outside it (or `finalize_grads`) reduces everything accumulated, each reduction once:
+    the norm-grad reducer's and FSDP's (`fsdp_sync=True`: FSDP's still in every backward). Raises for
+    sequence-parallel norms without a reducer, whose `Partial` grads nothing would reduce. Yields the reducer
+    (None without one).
     """
     reducer = reducer_of(model)
     if reducer is None:
@@ -99,20 +89,16 @@ def _refuse_unreduced_norms(model: nn.Module) -> None:
 
 
 def finalize_grads(model: nn.Module) -> None:
-    """Reduce the accumulated norm grads now and write `.grad` (Megatron-style explicit control).
-
-    A no-op when the last backward already did it, or when the model has no reducer.
-    """
+    """Reduce the accumulated norm grads now and write `.grad` (Megatron-style explicit control); a no-op
+    when the last backward already did it, or without a reducer."""
     reducer = reducer_of(model)
     if reducer is not None:
         reducer.finalize()
 
 
 def discard_pending(model: nn.Module) -> None:
-    """Drop the norm-grad partial sums accumulated for a step that will not be taken (call it on every rank).
-
-    A `zero_grad` (module's or optimizer's) does the same on its own; this is for a loop that abandons a
-    step without one. A no-op without a reducer."""
+    """Drop the norm-grad partial sums accumulated for a step that will not be taken (call it on every rank);
+    a `zero_grad` does the same on its own. A no-op without a reducer."""
     reducer = reducer_of(model)
     if reducer is not None:
         reducer.discard_pending()

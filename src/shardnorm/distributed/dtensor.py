@@ -1,10 +1,5 @@
-"""shardnorm's LayerNorm/RMSNorm for DTensor inputs.
-
-Token-sharded input (Shard(0), Shard(1)): the fused kernel runs on the local rows; the output keeps x's
-placements; weight/bias grads are partial sums over the token ranks and go to the model's reducer (or,
-without one, come back as `Partial` DTensor grads). Hidden-sharded input (Shard(-1)): statistics come from
-a cross-rank all-reduce of per-row sums. In no case is the activation gathered.
-"""
+"""shardnorm's LayerNorm/RMSNorm for DTensor inputs: token-sharded ones on their local rows (weight/bias grads
+to the model's reducer, or `Partial` without one), hidden-sharded ones through `hidden_sharded.py`."""
 
 import torch
 from torch.distributed.tensor import DTensor

@@ -1,9 +1,5 @@
-"""`torch.distributed.checkpoint` save/load for FSDP models with shardnorm norms, mid-step safe.
-
-A checkpoint holds params and optimizer state, never grads. Taken between the micro-batches of a
-step, it would silently drop the grads accumulated so far (FSDP's unsharded grads, shardnorm's
-pending fp32 partial sums), so `save` refuses then, on every rank, naming what is pending: save
-after `optimizer.step()` and `zero_grad()`.
+"""`torch.distributed.checkpoint` save/load for FSDP models with shardnorm norms. A checkpoint holds no grads,
+so `save` between the micro-batches of a step, which would drop those accumulated so far, refuses on every rank.
 """
 
 import torch
@@ -15,13 +11,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from shardnorm._torch_compat import fsdp_param_fqn, fsdp_param_holds_unreduced_grad, fsdp_params
 from shardnorm.distributed.accumulation import reducer_of
+from shardnorm.distributed.grad_sources import local_tensor
 
 
 def _nonzero(grad) -> bool:
     if grad is None:
         return False
-    local = grad.to_local() if hasattr(grad, "to_local") else grad
-    return bool(local.count_nonzero())
+    return bool(local_tensor(grad).count_nonzero())
 
 
 def pending_grads(model: nn.Module) -> list[str]:
@@ -53,20 +49,22 @@ def _refuse_if_pending(model: nn.Module) -> None:
                            f"optimizer.zero_grad()")
 
 
+def _state(model: nn.Module, optimizer, extra: dict | None) -> dict:
+    model_state, optim_state = get_state_dict(model, optimizer or [])
+    return {"model": model_state, **({"optim": optim_state} if optimizer else {}), **(extra or {})}
+
+
 def save(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          extra: dict | None = None) -> None:
     """Save the sharded model (and optimizer) state with DCP; `extra`: more state (e.g. a scheduler)."""
     _refuse_if_pending(model)
-    model_state, optim_state = get_state_dict(model, optimizer or [])
-    state = {"model": model_state, **({"optim": optim_state} if optimizer else {}), **(extra or {})}
-    dcp.save(state, checkpoint_id=checkpoint_id)
+    dcp.save(_state(model, optimizer, extra), checkpoint_id=checkpoint_id)
 
 
 def load(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          extra: dict | None = None) -> None:
     """Load in place what `save` wrote into a model sharded the same way (and its optimizer, `extra`)."""
-    model_state, optim_state = get_state_dict(model, optimizer or [])
-    state = {"model": model_state, **({"optim": optim_state} if optimizer else {}), **(extra or {})}
+    state = _state(model, optimizer, extra)
     dcp.load(state, checkpoint_id=checkpoint_id)
     set_state_dict(model, optimizer or [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))

@@ -1,24 +1,8 @@
 """Sequence-parallel norm grads under FSDP2: FSDP reduces them over dp first, shardnorm over tp after.
 
-Under FSDP2 × TP a sequence-parallel norm's weight/bias are Replicate over tp, and each rank's
-dgamma/dbeta is a partial sum over its own tokens and its own samples: it must be summed over tp and
-over dp, each exactly once. The order used here:
-
-1. The norm's backward returns its partial sum as the unsharded parameter's grad, `Partial` over tp;
-   a hook on that parameter relabels it `Replicate` (no communication), so FSDP does not all-reduce it
-   but keeps it across no-sync micro-batches (in `reduce_dtype`) and reduce-scatters it over dp with
-   the rest of the block's grads: no extra collective over dp.
-2. After the backward in which FSDP reduce-scattered, the model's `NormGradReducer` harvests what FSDP
-   added to the sharded grads (`FSDPShardedGrads`, a harvested source) and all-reduces over tp only
-   the dp shards FSDP produced: numel/dp elements per parameter instead of numel, in fp32, one
-   collective per bucket per optimizer step.
-
-The hook runs in eager autograd before the grad is accumulated, also when the block is compiled.
-
-torch's own path reduces in the other order: FSDP redistributes each norm's `Partial` grad to
-`Replicate` before its reduce-scatter, one all-reduce of the full parameter per norm parameter, in
-the param dtype. Reducing over tp first could overlap with backward but moves dp times the bytes;
-the tp all-reduce here runs after FSDP's last reduce-scatter (not overlapped) and is small.
+A hook on FSDP's unsharded norm parameter relabels its tp-`Partial` grad `Replicate`, so FSDP reduce-scatters
+it over dp with the block's grads and adds no tp all-reduce; then the model's reducer all-reduces only those
+dp shards over tp, in fp32, once per step. Why this order: docs/distributed.md ("Reduction order").
 """
 
 import torch
@@ -26,23 +10,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradAttributeSource, local_grad
+from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradAttributeSource, local_tensor
 
 
 class FSDPShardedGrads(GradAttributeSource):
     """FSDP2's reduce-scatter output in the sharded norm params' `.grad`, still partial over `group` (tp).
 
-    `shard_model` attaches the model's reducer with this source (`attach_reducer(model, source=...)`);
-    each norm's forward pre-hook hands it FSDP's unsharded params (`track`).
-
-    Unreduced: what FSDP added since the step began (a snapshot of `.grad` taken at the first backward
-    of the step; a post-accumulate hook on each sharded param says FSDP wrote to it). The sharded grad FSDP
-    wrote is held as the reducer's own are (`requires_grad=True`, see `reducer.py`): a `zero_grad` that
-    takes it takes the unreduced part with it. Pending too: a backward inside `accumulate` whose grads FSDP
-    kept unreduced (no-sync); FSDP's own rule applies to those (a `zero_grad` does not drop them).
+    `shard_model`'s forward pre-hooks hand it FSDP's unsharded params (`track`). Unreduced: what FSDP added
+    since the step's first backward (a post-accumulate hook says FSDP wrote), held as the reducer holds its
+    own (`requires_grad=True`), so a `zero_grad` that takes the sharded grad takes it too. A backward inside
+    `accumulate` whose grads FSDP kept (no-sync) is pending as well; those follow FSDP's own rules.
     """
-
-    name = "fsdp_sharded_grads"
 
     def __init__(self, params: list[nn.Parameter], group):
         super().__init__(params, group)
@@ -86,7 +64,7 @@ class FSDPShardedGrads(GradAttributeSource):
                 if p.grad is None:
                     self._before.pop(id(p), None)
                 else:
-                    self._before[id(p)] = local_grad(p).float().reshape(-1).clone()
+                    self._before[id(p)] = local_tensor(p.grad).float().reshape(-1).clone()
 
     def _on_sharded_grad(self, param: nn.Parameter) -> None:
         """FSDP added its reduce-scatter output (still partial over tp) to this sharded grad: hold it."""

@@ -1,11 +1,8 @@
 """Hand a norm's fp32 weight/bias grads to the reducer instead of autograd.
 
-The norm op stays pure: it computes fp32 dgamma/dbeta for the rows it sees. Applied to the weight/bias
-before the op, `_RouteToReducer` gives the op fp32 copies (so the op's grads stay fp32) and, in backward,
-adds those grads into the reducer bound to the parameters. Its inputs are detached from the parameters
-(fresh leaves over the same storage), so no autograd path leads from the op back to a parameter: autograd
-never touches `.grad`, and nothing reduces except the reducer: a graph still connected to the parameter
-lets autograd accumulate a `Partial` grad into it even where this function returns None for it.
+`_RouteToReducer` gives the op fp32 copies of the weight/bias and, in backward, adds their grads into the
+reducer bound to the parameters. Its inputs are detached from the parameters: a graph still connected to a
+parameter would let autograd accumulate a `Partial` grad into its `.grad` besides.
 """
 
 import torch

@@ -1,20 +1,10 @@
 """Where a reducer's partial sums come from: the one input of `NormGradReducer` that differs per setup.
 
-The reducer owns everything else (fp32 buckets, accumulation, "first grad of this backward", the end-of-
-backward callback, finalize, counting). A source only says how a rank's not-yet-reduced partial sums reach
-it, in one of two ways:
+Pushed: handed to `reducer.add` as computed (`NormBackward`: the norms' own backward, `grad_routing.py`).
+Harvested (`GradAttributeSource`): left in `param.grad`, and at the step boundary the part not reduced yet is
+taken out into the reducer's buffer (`PartialGrads`: DeepSpeed AutoTP's; `FSDPShardedGrads`: FSDP2's).
 
-- pushed: the grad is handed to `reducer.add(params, grads, group)` as it is computed. `NormBackward`:
-  shardnorm's norms (`grad_routing.py`) under DTensor sequence parallelism and the process-group mode.
-  Any other caller of `add` (an adapter's hook) is a pushed source too.
-- harvested (`GradAttributeSource`): someone else leaves the partial sums in `param.grad`; at the step
-  boundary the source takes the part not reduced yet out of `.grad` into the reducer's fp32 buffer, and
-  finalize reduces it and adds it back. `PartialGrads`: a hook left local partial sums there (DeepSpeed
-  AutoTP's q/k norms; Hugging Face tensor-parallel styles). `FSDPShardedGrads`
-  (`fsdp_norm_grads.py`): FSDP2's reduce-scatter output, still partial over tp.
-
-The one attribute shardnorm sets for the reducer, `REDUCER_ATTR`, is on the model (its reducer) and on the
-norm parameters a reducer owns (the reducer they belong to); no other parameter carries it.
+`REDUCER_ATTR` is set on the model (its reducer) and on the norm parameters a reducer owns, nothing else.
 """
 
 import torch
@@ -28,8 +18,6 @@ class GradSource:
     """Base: a pushed source (it calls `reducer.add`) with nothing to harvest. The reducer calls `attach`
     once, from its constructor."""
 
-    name = "pushed"
-    pushed = True  # grads arrive through `reducer.add` (a norm parameter bound to the reducer routes there)
     ends_step = False  # True: every backward the source reports ends the step, whatever `accumulate` says
 
     def attach(self, reducer) -> None:
@@ -58,8 +46,6 @@ class NormBackward(GradSource):
     """shardnorm's norms push their fp32 dgamma/dbeta from their backward (`grad_routing.route_to_reducer`)
     into the reducer bound to their parameters; autograd never writes those parameters' `.grad`."""
 
-    name = "norm_backward"
-
     def bind(self, params) -> None:
         for p in params:
             setattr(p, REDUCER_ATTR, self.reducer)
@@ -68,23 +54,18 @@ class NormBackward(GradSource):
 def bound_reducer(param):
     """The reducer a norm parameter's grads are pushed to (`NormBackward.bind`), or None."""
     reducer = getattr(param, REDUCER_ATTR, None)
-    return reducer if reducer is not None and reducer.source.pushed else None
+    return reducer if reducer is not None and isinstance(reducer.source, NormBackward) else None
 
 
-def local_grad(param: nn.Parameter) -> torch.Tensor | None:
-    grad = param.grad
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of `t`: a DTensor's local tensor; a plain tensor or None as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GradAttributeSource(GradSource):
-    """Partial sums that accumulate in `param.grad` over `group`; harvested at the step boundary.
-
-    `params` are laid out in the reducer's buckets at once, in this order. A subclass says which params
-    hold unreduced grads (`_unreduced`) and what part of their `.grad` was reduced already (`_base`).
-    The partial sums live in `.grad`, so a `zero_grad` drops them with the rest of the step's grads.
-    """
-
-    pushed = False
+    """Partial sums that accumulate in `param.grad` over `group` (so a `zero_grad` drops them), harvested at the
+    step boundary. A subclass says which params hold unreduced grads (`_unreduced`) and what part of their
+    `.grad` was reduced already (`_base`)."""
 
     def __init__(self, params: list[nn.Parameter], group):
         self.params, self.group = list(params), group
@@ -110,16 +91,16 @@ class GradAttributeSource(GradSource):
             if base is None:
                 p.grad = None
             else:
-                local = local_grad(p)
+                local = local_tensor(p.grad)
                 local.copy_(base.view_as(local))
         self._forget()
 
     def harvest(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         taken = []
         for p in self._unreduced():
-            local = local_grad(p)
+            local = local_tensor(p.grad)
             if local is None:  # reduced as zeros: another rank may hold a grad for it
-                taken.append((p, torch.zeros(_local_numel(p), dtype=torch.float32, device=p.device)))
+                taken.append((p, torch.zeros(local_tensor(p).numel(), dtype=torch.float32, device=p.device)))
                 continue
             base = self._base(p)
             partial = local.reshape(-1).to(torch.float32, copy=True)
@@ -134,13 +115,10 @@ class GradAttributeSource(GradSource):
 
 
 class PartialGrads(GradAttributeSource):
-    """A hook leaves each rank's local partial sums in `.grad` over the micro-batches (all of `.grad` is
-    unreduced: the optimizer zeroes it after each step). A backward for which `boundary()` is true ends
-    the step: its end harvests every param (zeros where `.grad` is None), so each rank reduces the same
-    buckets, `shardnorm.accumulate` or not (the framework steps after it). DeepSpeed AutoTP passes
-    `engine.is_gradient_accumulation_boundary`."""
+    """A hook leaves each rank's local partial sums in `.grad` (all of it unreduced). A backward for which
+    `boundary()` is true (DeepSpeed's `engine.is_gradient_accumulation_boundary`) ends the step, `accumulate`
+    or not: its end harvests every param, zeros where `.grad` is None, so each rank reduces the same buckets."""
 
-    name = "partial_grads"
     ends_step = True
 
     def __init__(self, params: list[nn.Parameter], group, *, boundary=lambda: True):
@@ -168,6 +146,3 @@ class PartialGrads(GradAttributeSource):
     def _forget(self) -> None:
         self._pending = False
 
-
-def _local_numel(param) -> int:
-    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()

@@ -1,15 +1,10 @@
 """Norm over a hidden dim split across ranks (``Shard(-1)``, e.g. a QK-norm over tensor-parallel heads).
 
-Each rank holds a slice of every row; the activation itself never moves, and weight/bias are sharded like the
-hidden dim, so their grads are complete for the local slice.
-
-RMSNorm needs the sum of squares only: one all-reduce of a per-row fp32 sum. LayerNorm's variance is not taken
-as E[x^2] - mean^2 (for a row whose mean is large against its spread both terms are huge and nearly equal, and
-fp32 loses the variance entirely): each rank computes (count, mean, M2) of its slice, shifted by its own slice
-mean so that the deviations are exact, all ranks gather those (one collective), and every rank merges them the
-same way, in rank order (Chan et al.'s parallel algorithm, as the kernels do within a row). The row's mean is
-kept as (local shift, offset) and never formed in fp32, where it would round to a fraction of the spread.
-Backward all-reduces the two per-row sums that dx needs.
+The activation never moves; weight/bias are sharded like the hidden dim, so their grads are complete locally.
+RMSNorm all-reduces a per-row sum of squares. LayerNorm's variance is not E[x^2] - mean^2, which fp32 loses
+for a row whose mean is large against its spread: each rank gathers every slice's (count, mean, M2), shifted
+by its own slice mean, and merges them in rank order (Chan et al.), keeping the row mean as (local shift,
+offset). Backward all-reduces the two per-row sums that dx needs.
 """
 
 import torch
@@ -24,10 +19,8 @@ def _normalized(xf, shift, offset, rstd):
 
 
 def _row_moments(xf: torch.Tensor, group):
-    """This rank's (shift, offset, M2 / N) per row: mean = shift + offset, variance = M2 / N over the whole row.
-
-    shift is this rank's slice mean (rounded to fp32), offset the whole row's mean minus it; both, and the
-    variance, are accurate where the mean is far from zero against the spread."""
+    """This rank's (shift, offset, M2 / N) per row: shift its slice mean, offset the row mean minus it (accurate
+    where the mean is far from zero against the spread), M2 / N the whole row's variance."""
     n_local = xf.shape[-1]
     if not xf.shape[0]:  # no rows here, nor on the group's other ranks (they hold the same rows)
         shift = xf.new_zeros(0, 1)

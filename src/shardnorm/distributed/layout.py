@@ -1,12 +1,9 @@
 """Where a norm's input lives on a DeviceMesh, and what that implies for its statistics and grads.
 
-A norm normalizes over its trailing dims. Every mesh dim of the input is one of:
-- a *token* dim (``Shard`` of a leading dim, e.g. ``Shard(0)`` batch, ``Shard(1)`` sequence): each rank
-  normalizes its own rows, and the weight/bias grads are partial sums over those ranks;
-- the *hidden* dim (``Shard`` of a normalized dim, e.g. ``Shard(-1)``): statistics need a cross-rank
-  all-reduce of per-row partial sums, and weight/bias are sharded to match;
-- ``Replicate``: nothing to do.
-Anything else (``Partial``, strided shards) is rejected by name.
+Every mesh dim of the input is a *token* dim (``Shard`` of a leading dim: each rank normalizes its own rows,
+weight/bias grads are partial sums over them), the *hidden* dim (``Shard`` of a normalized dim: statistics
+need a cross-rank all-reduce, weight/bias are sharded to match) or ``Replicate``. Anything else (``Partial``,
+strided shards) is rejected by name.
 """
 
 import functools

@@ -1,29 +1,14 @@
 """The one norm-grad reducer: per-rank fp32 partial sums, reduced across their group once per step.
 
-With sequence (or tensor) parallelism each rank's dgamma/dbeta is a partial sum over its own tokens.
-Instead of an all-reduce per parameter and micro-batch in the param dtype, every partial sum goes into
-this reducer's fp32 buffer, which keeps accumulating over micro-batches; in the last micro-batch's backward
-each bucket is all-reduced asynchronously as soon as its last contribution arrives, and at the end of that
-backward (or at `finalize()`, Megatron-Core's `finalize_model_grads`) the reducer waits and adds the sums to
-`.grad` (param dtype and placement). Where the partial sums come from (the norms' backward, FSDP's
-reduce-scatter output, a DeepSpeed/Hugging Face hook) is its `source` (`grad_sources.py`); this class owns
-the rest: buckets, accumulation, backward detection, finalize and counting (`collectives`).
+Every partial sum goes into one fp32 buffer per process group, cut into `bucket_cap_mb` buckets, and
+accumulates over micro-batches; in the step's last backward each bucket is all-reduced as soon as its last
+contribution arrives, and at the end of that backward (or at `finalize()`) the sums are added to `.grad`.
+Where they come from is the `source` (`grad_sources.py`); this class owns the rest. Buckets are laid out in
+the order grads first arrive (the backward order); a grad that arrives after its bucket was launched is
+reduced on its own, so correctness never depends on that guess.
 
-Layout is learned for pushed grads: parameters are laid out in the order their grads first arrive (the
-backward order, so buckets fill front to back), one flat fp32 buffer per process group, cut into buckets of
-`bucket_cap_mb`; harvested sources register their parameters up front. How many contributions a parameter
-gets per backward is learned too (1 for a norm used once); one that arrives after its bucket was launched
-is reduced on its own, so correctness never depends on the guess.
-
-Pending partial sums follow the user's grads. While a step's partial sums wait here (backward passes inside
-`shardnorm.accumulate`), each owned parameter's `.grad` is held: it is the tensor that was there, or zeros
-(param dtype and placement) put there when it was None, marked `requires_grad=True`. Every `zero_grad`
-(module's or optimizer's, `set_to_none` either way, foreach or not) either drops that tensor or calls
-`requires_grad_(False)` / `detach_()` on it before zeroing it, so the reducer sees at its next use (a
-backward, `finalize`, `has_pending`, an optimizer step) that the step was given up and drops those partial
-sums with it: the check is two attribute reads per parameter, done once per backward and only while
-something is pending. `discard_pending()` drops them explicitly. An optimizer step over a parameter whose
-partial sums are still pending raises (`torch.optim`'s global step pre-hook): `.grad` is not the step's grad.
+While partial sums are pending, each owned parameter's `.grad` is held with `requires_grad=True`: every
+`zero_grad` drops or detaches it, which tells the reducer to drop those sums too (docs/distributed.md).
 """
 
 import weakref
@@ -35,14 +20,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardnorm._torch_compat import current_graph_task_id, queue_backward_callback
-from shardnorm.distributed.grad_sources import GradSource, NormBackward
+from shardnorm.distributed.grad_sources import GradSource, NormBackward, local_tensor
 
 ReduceMode = Literal["bucketed", "per_layer"]
 
-# Norm grads are small: a Llama-3-8B's 65 norms hold 1.0 MiB of fp32, Qwen3-8B's 72 q/k norms 36 KiB. 1 MiB
-# buckets give a pushed source (the norms' backward) a few buckets that start while backward goes on; a
-# harvested source (FSDP, AutoTP) launches every bucket at the step's end, where up to 1 MiB of q/k norms
-# is one collective at any cap: a larger default would only take away the overlap.
+# Norm grads are small (a Llama-3-8B's 65 norms: 1.0 MiB of fp32): 1 MiB buckets give the norms' backward a
+# few buckets that start while backward goes on; a larger cap would only take away that overlap.
 DEFAULT_BUCKET_CAP_MB = 1.0
 
 
@@ -61,7 +44,7 @@ class _Slot:
         """Mark the param's `.grad` as the holder of this slot's pending sum (zeros where it was None)."""
         grad = self.param.grad
         if grad is None:
-            grad = self.param.grad = _zeros_like_grad(self.param)
+            grad = self.param.grad = _as_grad(self.param, torch.zeros_like(local_tensor(self.param)))
             self.placed = True
         if not grad.requires_grad:
             grad.requires_grad_(True)
@@ -128,13 +111,9 @@ class NormGradReducer:
         self.source = source if source is not None else NormBackward()
         if reduce == "per_layer" and not isinstance(self.source, NormBackward):
             raise ValueError(f"shardnorm: reduce='per_layer' reduces grads pushed by the norms' backward; the "
-                             f"source {self.source.name!r} is harvested once per step, use reduce='bucketed'")
+                             f"source {type(self.source).__name__} is harvested once per step, use reduce='bucketed'")
         self.source.attach(self)
         _REDUCERS.add(self)
-
-    def bind(self, params) -> None:
-        """Offer the model's norm parameters to the source (`NormBackward`: they route their grads here)."""
-        self.source.bind(params)
 
     @property
     def num_buckets(self) -> int:
@@ -180,18 +159,6 @@ class NormGradReducer:
                     holding = True
         self._holding = holding
 
-    def _refuse_step(self, optimizer) -> None:
-        """Raise if `optimizer` steps a parameter whose partial sums are still pending."""
-        if not self.has_pending:
-            return
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if not stepped.isdisjoint(self._slots):
-            raise RuntimeError(
-                "shardnorm: optimizer.step() over norm parameters whose grads are still accumulating: the norm "
-                "grads are not reduced yet (the step's last backward ran inside shardnorm.accumulate(model)). "
-                "Run the last micro-batch's backward outside accumulate, or call shardnorm.finalize_grads(model) "
-                "before clipping and stepping; shardnorm.discard_pending(model) drops them")
-
     # ---- called by sources, from backward ----------------------------------------------------------------
 
     def note_backward(self) -> None:
@@ -202,22 +169,18 @@ class NormGradReducer:
             self._begin_backward(task)
 
     def register(self, params: list, group) -> None:
-        """Lay these parameters out now, in this order (harvested sources, whose params are known up front).
-
-        Parameters still on the meta device (a model built there and materialized later, as torchtitan and
-        HF's low-memory loading do) are laid out, in the same order, at the first backward after that."""
-        if any(_local(p).is_meta for p in params):
+        """Lay these parameters out now, in this order (harvested sources, whose params are known up front);
+        parameters still on the meta device (torchtitan, HF's low-memory loading) at the first backward."""
+        if any(local_tensor(p).is_meta for p in params):
             self._unmaterialized.append((list(params), group))
             return
         for p in params:
-            self._slot(p, _local(p), group)
+            self._slot(p, local_tensor(p), group)
         self._lay_out_staged()
 
     def add(self, params: list, grads: list[torch.Tensor], group) -> None:
-        """Add one call's local fp32 weight/bias grads (partial sums over this rank's share of `group`).
-
-        The entry of every pushed source (the norms' backward; an adapter's grad hook): call it from inside
-        a backward. The grads are kept (or reduced) here; whoever calls must not also leave them in `.grad`."""
+        """Add one call's local fp32 weight/bias grads (partial sums over this rank's share of `group`), from
+        inside a backward. The grads are kept (or reduced) here: whoever calls must not leave them in `.grad`."""
         self.note_backward()
         slots = [self._slot(p, g, group) for p, g in zip(params, grads)]
         for s in slots:
@@ -230,7 +193,7 @@ class NormGradReducer:
             if self._accumulate(s, g) and s.bucket is not None:
                 s.bucket.pending -= 1
                 if self._syncing and s.bucket.pending <= 0:
-                    self._launch(s.bucket)
+                    s.bucket.work = self._all_reduce(s.bucket.flat, s.bucket.group, async_op=True)
 
     def _accumulate(self, slot: _Slot, grad: torch.Tensor) -> bool:
         """Add `grad` to the slot's fp32 sum; False when its bucket was launched already (then it is kept
@@ -259,7 +222,7 @@ class NormGradReducer:
         """Lay out what `register` got on the meta device, now that the model holds real storage."""
         pending, self._unmaterialized = self._unmaterialized, []
         for params, group in pending:
-            if any(_local(p).is_meta for p in params):
+            if any(local_tensor(p).is_meta for p in params):
                 raise RuntimeError("shardnorm: norm parameters are still on the meta device at the first backward; "
                                    "materialize the model (e.g. `model.to_empty(device=...)` and its weight init) "
                                    "before training")
@@ -297,9 +260,6 @@ class NormGradReducer:
         """Every collective of the reducer goes through here, and is counted."""
         self.collectives += 1
         return dist.all_reduce(flat, group=group, async_op=async_op)
-
-    def _launch(self, bucket: _Bucket) -> None:
-        bucket.work = self._all_reduce(bucket.flat, bucket.group, async_op=True)
 
     def _finish_per_layer(self) -> None:
         for work, flat, slots in self._per_layer:
@@ -361,7 +321,7 @@ class NormGradReducer:
         if self.reduce == "bucketed":
             for b in self.buckets:
                 if b.dirty and b.work is None:
-                    self._launch(b)
+                    b.work = self._all_reduce(b.flat, b.group, async_op=True)
         late = self._reduce_late()
         for b in self.buckets:
             if b.work is not None:
@@ -383,24 +343,29 @@ _REDUCERS: "weakref.WeakSet[NormGradReducer]" = weakref.WeakSet()
 
 
 def _refuse_pending_step(optimizer, args, kwargs) -> None:
-    """torch.optim global step pre-hook: no step over norm grads that are not reduced yet."""
+    """torch.optim global step pre-hook: no step over norm parameters whose partial sums are still pending."""
     for reducer in list(_REDUCERS):
-        reducer._refuse_step(optimizer)
+        if reducer.has_pending:
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not stepped.isdisjoint(reducer._slots):
+                raise RuntimeError(
+                    "shardnorm: optimizer.step() over norm parameters whose grads are still accumulating: the norm "
+                    "grads are not reduced yet (the step's last backward ran inside shardnorm.accumulate(model)). "
+                    "Run the last micro-batch's backward outside accumulate, or call "
+                    "shardnorm.finalize_grads(model) before clipping and stepping; shardnorm.discard_pending(model) "
+                    "drops them")
 
 
 register_optimizer_step_pre_hook(_refuse_pending_step)
 
 
-def _zeros_like_grad(param) -> torch.Tensor:
-    """Zeros shaped, typed and placed as `param`'s grad."""
+def _as_grad(param, values: torch.Tensor) -> torch.Tensor:
+    """`values` (this rank's part of `param`, any shape of its numel) shaped and placed as `param`'s grad."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh, param.placements,
+        return DTensor.from_local(values.view(param.to_local().shape), param.device_mesh, param.placements,
                                   run_check=False, shape=param.shape, stride=param.stride())
-    return torch.zeros_like(param)
+    return values.view(param.shape)
 
-
-def _local(param) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _add_into(slots: list[_Slot], flat: torch.Tensor) -> None:
@@ -414,12 +379,7 @@ def _add_into(slots: list[_Slot], flat: torch.Tensor) -> None:
 
 def _accumulate_grad(param, data: torch.Tensor) -> None:
     """Add the reduced fp32 sum to param.grad in the param's dtype and placement."""
-    if isinstance(param, DTensor):
-        local = data.view(param.to_local().shape).to(param.dtype, copy=True)
-        grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    else:
-        grad = data.view(param.shape).to(param.dtype, copy=True)
+    grad = _as_grad(param, data.to(param.dtype, copy=True))
     if param.grad is None:
         param.grad = grad
     else:

@@ -1,39 +1,25 @@
-"""DeepSpeed adapter: a "shardnorm" config section, norm conversion, ZeRO/Ulysses/AutoTP support.
+"""DeepSpeed adapter: `initialize` and `apply`, the two ways into DeepSpeed with a "shardnorm" config section.
 
-`initialize` and `apply` are the two ways into DeepSpeed with a "shardnorm" config section. Importing this
-works without DeepSpeed installed; `initialize` says so when it is called. The section's keys are validated
-in `deepspeed_config.py`; AutoTP's q/k-norm all-reduces are taken over in `deepspeed_autotp.py` (the one
-module that reads DeepSpeed internals).
+Importing this works without DeepSpeed installed; `initialize` says so when it is called. Keys are validated
+in `deepspeed_config.py`, AutoTP's q/k-norm all-reduces taken over in `deepspeed_autotp.py`.
 """
 
 from typing import Any
 
 import torch
 
-from .deepspeed_autotp import marked_norm_params, own_marked_norm_grads
+from .deepspeed_autotp import attach_marked_norm_grads, claim_marked_norm_grads, marked_norm_params
 from .deepspeed_config import ShardnormConfigError, ShardnormSection, load_config, parse_section, read_section
 from .deepspeed_conversion import convert_norms, planned_norms
 
 __all__ = ["ShardnormConfigError", "ShardnormSection", "apply", "initialize", "parse_section", "read_section"]
 
 
-def _import_deepspeed():
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise ImportError("shardnorm.integrations.deepspeed.initialize needs DeepSpeed: "
-                          "pip install 'shardnorm[deepspeed]'") from e
-    return deepspeed
-
-
 def apply(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     """Convert `model`'s norms as the config's "shardnorm" section asks; returns the model.
 
-    For code that calls `deepspeed.initialize` itself (Hugging Face Trainer, Accelerate). Under
-    ZeRO 1/2/3 and Ulysses nothing else is needed: DeepSpeed reduces norm grads like any other. The
-    one thing `apply` cannot do is own AutoTP's q/k-norm all-reduces (that needs the engine), so
-    there it asks for `shardnorm.integrations.deepspeed.initialize` or `"grad_reduce": "deepspeed"`,
-    before changing the model (any error leaves the model as it was).
+    For code that calls `deepspeed.initialize` itself (Hugging Face Trainer, Accelerate). Owning AutoTP's
+    q/k-norm all-reduces needs the engine, so there it refuses before changing the model.
     """
     ds_config = load_config(config)
     section = read_section(ds_config)
@@ -50,23 +36,22 @@ def apply(model: torch.nn.Module, config: Any) -> torch.nn.Module:
 
 
 def initialize(model: torch.nn.Module = None, config: Any = None, **kwargs):
-    """`deepspeed.initialize` with the "shardnorm" section applied first; returns what it returns.
-
-    Every other argument goes to `deepspeed.initialize` unchanged (an optimizer or
-    `model_parameters` built before the call still holds the same Parameters: conversion keeps them).
-    """
-    deepspeed = _import_deepspeed()
+    """`deepspeed.initialize` with the "shardnorm" section applied first; returns what it returns. Every other
+    argument goes to it unchanged (an optimizer built before still holds the same Parameters)."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError("shardnorm.integrations.deepspeed.initialize needs DeepSpeed: "
+                          "pip install 'shardnorm[deepspeed]'") from e
     if model is None or config is None:
         raise TypeError("shardnorm.integrations.deepspeed.initialize needs model= and config=")
     ds_config = load_config(config)
     section = read_section(ds_config)
-    reducer = None
+    claimed = []
     if section is not None:
         model, _ = convert_norms(model, section)
-        reducer = own_marked_norm_grads(model, ds_config, section)
-    if reducer is not None:
-        reducer.claim()
+        claimed = claim_marked_norm_grads(model, ds_config, section)
     result = deepspeed.initialize(model=model, config=config, **kwargs)
-    if reducer is not None:
-        reducer.attach(result[0])
+    if claimed:
+        attach_marked_norm_grads(result[0], claimed, section.bucket_cap_mb)
     return result

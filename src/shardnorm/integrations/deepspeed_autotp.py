@@ -1,26 +1,10 @@
 """DeepSpeed AutoTP training: shardnorm owns the replicated-grad all-reduce of q/k-norm weights.
 
-AutoTP (deepspeed >= 0.18, `"tensor_parallel": {"autotp_size": N}`) keeps some parameters
-replicated while their module sees sharded activations (Qwen3's q_norm/k_norm normalize the local
-attention heads). Their partition spec carries `grad_allreduce` (or the Hugging Face plan style
-"replicated_with_grad_allreduce"), and `AutoTP.register_replicated_grad_hooks` then puts a tensor
-hook on each: one synchronous all-reduce per parameter per micro-batch.
-
-For the norm weights among them, shardnorm takes that job instead: it sets the flag DeepSpeed
-checks (`_ds_grad_allreduce_registered`) before `deepspeed.initialize`, lets the local partial
-sums accumulate in `.grad` over the micro-batches, and at the end of the last micro-batch's
-backward the model's `NormGradReducer` (`attach_reducer(model, source=PartialGrads(...))`, the step
-boundary being the engine's; `shardnorm.finalize_grads(model)` sees it like any other) harvests them
-and all-reduces them over the tensor-parallel group in fp32 buckets: one collective per bucket per
-optimizer step.
-
-DeepSpeed internals, read here only (DeepSpeed has no public API for them): that flag, the partition
-config (`_get_hf_tp_plan`) and the model type AutoTP matches specs by (`AutoTP._get_model_type`).
-
-That timing needs the grads to stay in `.grad` until the accumulation boundary's backward ends,
-which holds for ZeRO stage 0 and 1 (with `overlap_comm` off and grads accumulated in the parameter
-dtype). ZeRO-2/3 and `overlap_comm` reduce each grad inside backward as soon as it is
-accumulated; there shardnorm cannot own the reduction and asks for `"grad_reduce": "deepspeed"`.
+AutoTP all-reduces each parameter its partition spec marks `grad_allreduce` (Qwen3's q/k norms) once per
+micro-batch. For the norm weights among them shardnorm sets the flag its hook registration checks, and the
+model's reducer (source `PartialGrads`) all-reduces their `.grad` once per step in fp32 buckets: ZeRO stage
+0/1 without `overlap_comm` only (docs/integrations/deepspeed.md). The DeepSpeed internals this needs (that
+flag, `_get_hf_tp_plan`, `AutoTP._get_model_type`) are read here only.
 """
 
 import types
@@ -29,7 +13,6 @@ import torch
 
 from ..distributed.accumulation import attach_reducer
 from ..distributed.grad_sources import PartialGrads
-from ..distributed.reducer import NormGradReducer
 from .deepspeed_config import ShardnormConfigError, ShardnormSection
 from .deepspeed_conversion import shardnorm_modules
 
@@ -85,32 +68,22 @@ def _check_engine(engine) -> None:
             "DeepSpeed's per-parameter all-reduce.")
 
 
-class AutoTPNormGrads:
-    """Takes the marked norm grads' tensor-parallel all-reduce from AutoTP and gives it to a `NormGradReducer`."""
-
-    def __init__(self, params: list, bucket_cap_mb: float):
-        self.params = params
-        self.bucket_cap_mb = bucket_cap_mb
-        self.reducer: NormGradReducer | None = None  # built by attach(), once the tp group exists
-
-    def claim(self) -> None:
-        """Before `deepspeed.initialize`: set the flag that makes AutoTP skip its per-parameter hook."""
-        for p in self.params:
-            setattr(p, _DS_FLAG, True)
-
-    def attach(self, engine) -> None:
-        """Start owning the reduction for `engine` (the one `deepspeed.initialize` returned)."""
-        _check_engine(engine)
-        from deepspeed.utils import groups
-
-        source = PartialGrads(self.params, groups.get_tensor_model_parallel_group(),
-                              boundary=engine.is_gradient_accumulation_boundary)
-        self.reducer = attach_reducer(engine.module, source=source, bucket_cap_mb=self.bucket_cap_mb)
-
-
-def own_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: ShardnormSection):
-    """An AutoTPNormGrads for the marked norm params, or None when there are none or the config opts out."""
+def claim_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: ShardnormSection) -> list:
+    """Before `deepspeed.initialize`: the marked norm params whose all-reduce shardnorm takes over (none when
+    the config opts out), flagged so that AutoTP registers no per-parameter hook for them."""
     if section.grad_reduce != "step":
-        return None
+        return []
     params = marked_norm_params(model, ds_config)
-    return AutoTPNormGrads(params, section.bucket_cap_mb) if params else None
+    for p in params:
+        setattr(p, _DS_FLAG, True)
+    return params
+
+
+def attach_marked_norm_grads(engine, params: list, bucket_cap_mb: float) -> None:
+    """Start owning the claimed params' reduction for `engine` (the one `deepspeed.initialize` returned)."""
+    _check_engine(engine)
+    from deepspeed.utils import groups
+
+    source = PartialGrads(params, groups.get_tensor_model_parallel_group(),
+                          boundary=engine.is_gradient_accumulation_boundary)
+    attach_reducer(engine.module, source=source, bucket_cap_mb=bucket_cap_mb)

@@ -1,8 +1,5 @@
-"""The "shardnorm" section of a DeepSpeed config, validated by shardnorm.
-
-DeepSpeed ignores unknown top-level sections, so nobody else checks this one: every key is
-checked here, and every error names the key (``shardnorm.<key>``) it is about.
-"""
+"""The "shardnorm" section of a DeepSpeed config. DeepSpeed ignores unknown top-level sections, so nobody
+else checks this one: every key is checked here, and every error names its key (``shardnorm.<key>``)."""
 
 import difflib
 import json
@@ -27,21 +24,10 @@ class ShardnormConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ShardnormSection:
-    """Validated "shardnorm" section.
+    """Validated "shardnorm" section; what each key means: docs/integrations/deepspeed.md.
 
-    enabled: convert the model's norms (false: leave the model untouched).
-    replace: class names of the norm modules to convert ("*RMSNorm" matches a suffix, e.g.
-        LlamaRMSNorm); None converts every kind that `shardnorm.convert` knows. A name that matches no
-        class `shardnorm.convert` knows is an error.
-    zero_centered_gamma: store the scale as (weight - 1), as Gemma/Megatron do; refused (nothing converted)
-        where weight - 1 is not exact in the weight's dtype, which would change the function.
-    grad_reduce: who all-reduces the gradients of norm weights that DeepSpeed AutoTP marks as
-        replicated-with-grad-all-reduce (q/k norms over tensor-parallel heads): "step" = shardnorm,
-        coalesced into fp32 buckets, once per optimizer step; "deepspeed" = DeepSpeed's own hook,
-        one all-reduce per parameter per micro-batch.
-    bucket_cap_mb: size of one such fp32 bucket (the name and default of every shardnorm reducer).
-    keep_output: false: the converted norms recompute their outputs in backward instead of keeping them
-        (`shardnorm.output_recompute`).
+    replace: None converts every class `shardnorm.convert` knows. grad_reduce: who all-reduces the grads of
+    the norm weights AutoTP marks ("step": shardnorm, in fp32 buckets once per step; "deepspeed": its hooks).
     """
 
     enabled: bool = True
@@ -50,10 +36,6 @@ class ShardnormSection:
     grad_reduce: str = "step"
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     keep_output: bool = True
-
-    @property
-    def bucket_numel(self) -> int:
-        return max(1, int(self.bucket_cap_mb * 2**20) // 4)
 
 
 def _key(name: str) -> str:

@@ -27,20 +27,15 @@ def planned_norms(model: torch.nn.Module, section: ShardnormSection) -> list:
     return named_shardnorm_modules(model) + convertible(model, section.replace)
 
 
-def _gathered(param: torch.nn.Parameter, modify: bool):
-    """A context in which a ZeRO-3 partitioned parameter (built under zero.Init) is whole."""
-    if hasattr(param, "ds_id"):
-        from deepspeed.runtime.zero import GatheredParameters
-
-        return GatheredParameters([param], modifier_rank=0 if modify else None)
-    return torch.no_grad()
-
-
 @contextlib.contextmanager
 def _whole(name: str, module: torch.nn.Module, modify: bool):
+    """`module.weight`, gathered where ZeRO-3 partitioned it (built under zero.Init), with grad mode off."""
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(_gathered(module.weight, modify))
+            if hasattr(module.weight, "ds_id"):
+                from deepspeed.runtime.zero import GatheredParameters
+
+                stack.enter_context(GatheredParameters([module.weight], modifier_rank=0 if modify else None))
         except Exception as e:  # noqa: BLE001 - DeepSpeed's own errors say little about which module
             raise RuntimeError(
                 f"shardnorm: could not gather the ZeRO-3 parameter {name or type(module).__name__}.weight (full "
@@ -51,15 +46,13 @@ def _whole(name: str, module: torch.nn.Module, modify: bool):
             yield module.weight
 
 
-def _to_shift(planned: list) -> list:
-    return [(name, m) for name, m in planned if not m.zero_centered_gamma and m.weight is not None]
-
-
 def check_exact_shift(planned: list) -> None:
     """Raise unless every weight `zero_centered_gamma` would rewrite to weight - 1 gives back the same scale,
     1 + (weight - 1) == weight bit for bit: the subtraction rounds in the weight's dtype (in bf16 a weight
     of 0.3 would scale by 0.3008), so the converted model would compute another function."""
-    for name, module in _to_shift(planned):
+    for name, module in planned:
+        if module.zero_centered_gamma or module.weight is None:
+            continue
         with _whole(name, module, modify=False) as weight:
             shifted = (weight.float() - 1).to(weight.dtype)
             inexact = (shifted.double() + 1) != weight.double()

@@ -1,19 +1,12 @@
 """shardnorm under Lightning Fabric's `ModelParallelStrategy` (FSDP2 x tensor parallelism).
 
-`parallelize_fn(tp_plan)` is the function `ModelParallelStrategy(parallelize_fn=...)` calls with the
-model and Fabric's 2-D mesh ("data_parallel", "tensor_parallel"): it converts the model's norms
-(`shardnorm.convert`), applies the user's tensor-parallel plan on the tensor-parallel dim (put
-`shardnorm.distributed.SequenceParallelNorm()` where torch's `SequenceParallel` would go), and shards
-with `shardnorm.fsdp.shard_model` over the data-parallel dim. Sequence-parallel norm grads are then
-reduced over dp by FSDP and over tp by shardnorm, once per optimizer step in fp32.
-
-`strategy(tp_plan, ...)` returns that `ModelParallelStrategy` with Fabric's `no_backward_sync` tied
-to shardnorm: `with fabric.no_backward_sync(model, enabled=not last):` skips FSDP's dp reduction
-(Fabric's own behaviour) and enters `shardnorm.accumulate(model)`, so the tp reduction of the norm
-grads waits for the last micro-batch too. Needs `pip install shardnorm[lightning]`.
+`parallelize_fn(tp_plan)` converts the model's norms, applies the user's tensor-parallel plan on Fabric's
+"tensor_parallel" dim and shards with `shardnorm.fsdp.shard_model` over "data_parallel". `strategy(tp_plan)`
+returns that strategy with Fabric's `no_backward_sync` also entering `shardnorm.accumulate(model)`, so the
+norm grads' tp reduction waits for the last micro-batch too (docs/integrations/lightning.md).
 """
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, nullcontext
 
 try:
     from lightning.fabric.strategies.model_parallel import ModelParallelStrategy, _ParallelBackwardSyncControl
@@ -35,11 +28,8 @@ __all__ = ["ShardnormBackwardSyncControl", "parallelize_fn", "strategy"]
 
 def parallelize_fn(tp_plan=None, *, block_classes=None, mp_policy=None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                    dp_dims=DATA_DIM, tp_dim: str = TP_DIM):
-    """A `parallelize_fn(model, device_mesh)` for `ModelParallelStrategy` that applies shardnorm.
-
-    `tp_plan`: None (data parallel only), a `parallelize_module` plan dict, or a callable
-    `(model, tp_mesh) -> None` that parallelizes the model itself (e.g. one plan per block).
-    """
+    """A `parallelize_fn(model, device_mesh)` for `ModelParallelStrategy` that applies shardnorm. `tp_plan`: None
+    (data parallel only), a `parallelize_module` plan dict, or a callable `(model, tp_mesh)`."""
     if tp_plan is not None and not (isinstance(tp_plan, dict) or callable(tp_plan)):
         raise TypeError(f"shardnorm: tp_plan must be a parallelize_module plan dict or a callable "
                         f"(model, tp_mesh), got {type(tp_plan).__name__}")
@@ -62,17 +52,10 @@ def parallelize_fn(tp_plan=None, *, block_classes=None, mp_policy=None, bucket_c
 class ShardnormBackwardSyncControl(_ParallelBackwardSyncControl):
     """Fabric's FSDP2 no-sync control plus `shardnorm.accumulate` (tp reduction of the norm grads)."""
 
+    @contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool):
-        return _with_accumulate(super().no_backward_sync(module, enabled), module, enabled)
-
-
-@contextmanager
-def _with_accumulate(fabric_context, module: nn.Module, enabled: bool):
-    with ExitStack() as stack:
-        stack.enter_context(fabric_context)
-        if enabled:
-            stack.enter_context(shardnorm.accumulate(module))
-        yield
+        with super().no_backward_sync(module, enabled), shardnorm.accumulate(module) if enabled else nullcontext():
+            yield
 
 
 def strategy(tp_plan=None, *, data_parallel_size="auto", tensor_parallel_size="auto", block_classes=None,

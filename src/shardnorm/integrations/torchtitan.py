@@ -1,27 +1,16 @@
 """shardnorm in torchtitan 0.3: a model converter, a parallelize wrapper and a Trainer that accumulates.
 
-Three torchtitan extension points, each used the way torchtitan uses it:
+- `ShardnormConverter` (a torchtitan `ModelConfigConverter`): every `RMSNorm.Config` becomes
+  `ShardnormRMSNorm.Config`, which runs shardnorm's kernel and, where torchtitan's TP plan declares a
+  sequence-parallel norm, is parallelized with `shardnorm.distributed.SequenceParallelNorm`.
+- `parallelize_with_shardnorm(fn)`: the model's parallelize function, then the norm-grad reducer on the
+  FSDP2-wrapped model (`shardnorm.fsdp.install_norm_grad_reducer`).
+- `ShardnormTrainer`: torchtitan's `Trainer`, whose non-final micro-batches run inside `shardnorm.accumulate`.
 
-- `ShardnormConverter` (torchtitan's `ModelConfigConverter`, passed in `model_registry(...,
-  converters=[...])` like its Float8/LoRA converters): every `RMSNorm.Config` in the model config tree
-  becomes `ShardnormRMSNorm.Config`. That module runs shardnorm's kernel and, where torchtitan's TP
-  plan (the norm's `sharding_config`) declares a sequence-parallel norm, is parallelized with
-  `shardnorm.distributed.SequenceParallelNorm` instead of torchtitan's generic DTensor wrapping.
-- `parallelize_with_shardnorm(fn)`: the model's parallelize function, then shardnorm's norm-grad
-  reducer on the FSDP2-wrapped model (`shardnorm.fsdp.install_norm_grad_reducer`): FSDP reduces the
-  sequence-parallel norm grads over the data dims, shardnorm over tp in one fp32 all-reduce per
-  bucket per optimizer step (torch's path: one all-reduce per norm parameter per micro-batch).
-- `ShardnormTrainer`: torchtitan's `Trainer`, whose non-final micro-batches run inside
-  `shardnorm.accumulate(model)`, so gradient accumulation stays exact and reduces once per step.
-
-`with_shardnorm(config)` applies all three to any torchtitan `Trainer.Config`; `llama3_debugmodel`
-here is torchtitan's own debug config with shardnorm, so the CLI selects it with
-`--module shardnorm.integrations.torchtitan --config llama3_debugmodel`.
-Needs `pip install shardnorm[torchtitan]` (torchtitan 0.3) and
-`--parallelism.spmd_backend partial_dtensor` under tensor parallelism (set by `with_shardnorm`).
+`with_shardnorm(config)` applies all three to a `Trainer.Config` (docs/integrations/torchtitan.md).
 """
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import wraps
 
@@ -160,15 +149,11 @@ class ShardnormTrainer(Trainer):
     def forward_backward_step(self, **kwargs):
         index, self._shardnorm_microbatch = self._shardnorm_microbatch, self._shardnorm_microbatch + 1
         last = index == self.gradient_accumulation_steps - 1
-        # FSDP still reduce-scatters each micro-batch (torchtitan's memory profile); the tp reduction waits
-        contexts = [nullcontext() if last else shardnorm.accumulate(m, fsdp_sync=True) for m in self.model_parts]
-        for c in contexts:
-            c.__enter__()
-        try:
+        with ExitStack() as stack:
+            if not last:  # FSDP still reduce-scatters each micro-batch (torchtitan's memory profile); tp waits
+                for m in self.model_parts:
+                    stack.enter_context(shardnorm.accumulate(m, fsdp_sync=True))
             return Trainer.forward_backward_step(self, **kwargs)
-        finally:
-            for c in reversed(contexts):
-                c.__exit__(None, None, None)
 
 
 def with_shardnorm(config: Trainer.Config, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
@@ -189,5 +174,3 @@ def llama3_debugmodel() -> ShardnormTrainer.Config:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel as stock
 
     return with_shardnorm(stock())
-
-

@@ -1,33 +1,10 @@
-"""Launch heuristics for the norm kernels, all in one place.
+"""Launch heuristics for the norm kernels, all in one place (each path: docs/performance.md, "Kernel paths").
 
-Everything here is keyed on the hidden size N (and, for the backward, on how many partial sums it
-keeps), never on the number of rows M, so a new batch or sequence length never triggers a Triton
-recompilation (M is a runtime argument marked `do_not_specialize`).
-
-Two kernels per direction at most: the portable `tl` kernels (every GPU, and the interpreter on CPU)
-and, for rows longer than one program's registers, one specialized kernel where a GPU family measured
-it faster (`SPECIALIZED`: Hopper's staged Gluon kernels, which hold the row in shared memory).
-
-- Forward: while a row fits in registers (N <= MAX_FUSED_N_FWD) one pass, BLOCK_M rows of
-  next_pow2(N) per program (or 4096 / 8192 columns and a narrower tail tile, `tail_pays`), one
-  program per row block; with fp32 parameters, persistent programs that keep them in registers. Above, each row
-  is walked twice in BLOCK_N chunks (statistics, then normalize, backwards), one program per row
-  block, or on Hopper staged in shared memory and read once (`norm_fwd_staged.py`).
-- Backward, fused (N <= MAX_FUSED_N_BWD): persistent programs walk the rows grid-stride, each
-  keeping its dgamma/dbeta partial sum in registers, then write one fp32 row of the [P, N] partial
-  buffer. Its limit depends on how many partial sums (dgamma, dbeta) stay live in registers.
-- Backward, split (longer rows): a row-sums pass over [BLOCK_M, BLOCK_N] tiles (per-tile partial
-  row sums, and dgamma/dbeta partials per row group in registers), then an elementwise dx pass.
-  Two reads of x and dy instead of one, but both passes are register-light and run at copy speed.
-  On Hopper the shapes of `STAGED_BWD` take the staged backward instead (`norm_bwd_staged.py`).
-- num_warps grows with the tile so each thread holds a bounded number of elements.
-
-Numbers below are % of the device-to-device copy bandwidth on one H100 (torch 2.11, Triton 3.6, bf16 x
-and dy, M = 32768 unless stated), from `docs/performance.md`. "GPU time" is the bare launcher replayed
-from a CUDA graph: `python benchmarks/sweep_tiles.py --out sweep.json --cases fwd-5120,bwd-5120 [--weights
-float32]` (default config first, then the candidates); "benchmark" is do_bench of the autograd call:
-`python benchmarks/bench_kernels.py --out bench.json --providers shardnorm`.
-`benchmarks/sweep_tiles.py` measures alternatives by replacing `fwd_config` / `bwd_config` here.
+Keyed on the hidden size N (and, backward, on how many partial sums it keeps), never on the row count M, so
+a new batch or sequence length never recompiles. Numbers below are % of copy bandwidth on one H100 (torch
+2.11, Triton 3.6, bf16 x and dy, M = 32768 unless stated): "GPU time" is the bare launcher replayed from a
+CUDA graph (`benchmarks/sweep_tiles.py`, which swaps `fwd_config` / `bwd_config` here), "benchmark" do_bench
+of the autograd call (`benchmarks/bench_kernels.py`).
 """
 
 import functools
@@ -103,11 +80,9 @@ class SplitBwdConfig:
 
 @dataclass(frozen=True)
 class StagedConfig:
-    """The staged kernels (`norm_bwd_staged.py`, `norm_fwd_staged.py`, Gluon): one persistent program per SM
-    holds whole rows in shared memory, copied in chunks of vec x 32 x num_warps elements (vec: elements per
-    16-byte copy). Backward (`staged_slices_bwd_kernel`): rows split into slices of slice_n columns, one
-    program each, in `slots` row slots (3: the next row's sums published before this row's are awaited),
-    exchanging their row sums; one slice (N <= slice_n): whole rows, the next row's copies a row ahead. The
+    """The staged kernels (`norm_bwd_staged.py`, `norm_fwd_staged.py`): rows in shared memory, copied in chunks
+    of vec x 32 x num_warps elements (vec: elements per 16-byte copy). Backward: slices of slice_n columns, one
+    program each, in `slots` row slots (3: the next row's sums published before this row's are awaited); the
     forward (slice_n 0) stages whole rows."""
     num_warps: int
     vec: int = 8
@@ -143,13 +118,10 @@ BWD_SPLIT = SplitBwdConfig(row_sums=TileConfig(block_m=1, block_n=8192, num_warp
                            dx=TileConfig(block_m=1, block_n=4096, num_warps=8))
 
 
-# Forward with fp32 parameters, one pass, persistent programs holding weight and bias in registers,
-# by next_pow2(N): (warps, programs per SM); for LayerNorm with bias, and for any norm at 16384.
-# Re-reading fp32 parameters for every row (from L2) was the bottleneck there: H100 A/B of GPU
-# time: LayerNorm 8192 +11%, 14336 +20% and 16384 +21% (both were chunked); RMSNorm
-# 16384 +2% over the chunked path. RMSNorm 8192 and both norms at 4096 stay one block per program
-# (RMSNorm 8192 -7%, LayerNorm 4096 -3% when persistent; RMSNorm 4096 92% vs 99% in the sweep).
-# `python benchmarks/sweep_tiles.py --out sweep.json --cases fwd-8192,fwd-14336,fwd-16384 --weights float32`
+# Forward with fp32 parameters, one pass, persistent programs holding weight and bias in registers, by
+# next_pow2(N): (warps, programs per SM); for LayerNorm with bias, and for any norm at 16384. Re-reading fp32
+# parameters for every row was the bottleneck there (H100 A/B of GPU time: LayerNorm 8192 +11%, 14336 +20%,
+# 16384 +21%; RMSNorm 16384 +2%); RMSNorm 8192 and both norms at 4096 were slower persistent (-3% to -7%).
 PERSISTENT_FWD = {8192: (8, 8), 16384: (16, 4)}
 
 
@@ -157,8 +129,7 @@ def tail_pays(tail_n: int, param_size: int, has_bias: bool) -> bool:
     """Whether the forward takes a tail tile (H100 GPU-time sweeps and A/B at N = 4608-9216): faster for
     LayerNorm with fp32 weight and bias (+6% to +32%) and for RMSNorm with tails up to 1024 columns (fp32 +5%
     to +32%, bf16 0 to +6%); slower for LayerNorm with bf16 parameters (-5% to -25%) and RMSNorm with
-    2048-column tails (-4% to -6%). Longer tails were not measured.
-    `python benchmarks/sweep_tiles.py --out sweep.json --cases fwd-4608,fwd-5120,fwd-9216 [--weights float32]`"""
+    2048-column tails (-4% to -6%). Longer tails were not measured."""
     if has_bias:
         return param_size >= 4 and tail_n <= 2048
     return tail_n <= 1024
@@ -173,7 +144,6 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfi
     if TRITON_3_9 and has_bias and param_size == 2:
         # bf16 LayerNorm: the 3.6 choices below run 13-32% slower under 3.9 (H100 sweep of GPU time
         # under 3.9 at 5120, 14336 and 16384): 82% -> 98% of copy, 68% -> 83%, 74% -> 87%.
-        # `python benchmarks/sweep_tiles.py --out sweep.json --cases fwd-5120,fwd-14336,fwd-16384 --norms layer`
         if (main_n, tail_n) == (4096, 1024):
             return TileConfig(block_m=1, block_n=4096, num_warps=4, tail_n=1024)
         if block_n == 16384:
@@ -195,15 +165,13 @@ def fwd_config(n: int, param_size: int = 2, has_bias: bool = False) -> TileConfi
 # Fused backward tiles by next_pow2(N): (rows per tile, warps, persistent programs per SM, pipeline
 # stages). From the H100 sweep of GPU time: small rows take 2-4K-element tiles; from 1K columns up, one or
 # two rows, more warps as the row grows, fewer programs per SM as the dgamma/dbeta accumulators fill the
-# registers. `python benchmarks/sweep_tiles.py --out sweep.json
-# --cases bwd-64,bwd-128,bwd-256,bwd-1024,bwd-2048,bwd-4096,bwd-8192,bwd-16384`
+# registers.
 # The fused backward keeps the weight in registers up to this tile (H100 A/B of GPU time:
 # fp32 weights at N = 5120 +12% (LayerNorm) / +10% (RMSNorm); at 16384 the registers spill, -34%).
 HOIST_PARAMS_MAX_N_BWD = 8192
 # RMSNorm with a bf16 weight at 4097-5120 columns: a 4096 tile and a 512- or 1024-column tail instead
 # of one 8192 tile (H100 sweeps of GPU time, Triton 3.6 and 3.9: 5120 90-91% vs 76% of
 # copy, 4608 87-88% vs 72%); slower for LayerNorm and fp32 weights.
-# `python benchmarks/sweep_tiles.py --out sweep.json --cases bwd-4608,bwd-5120 --norms rms`
 BWD_TAIL_RMS = dict(block_m=1, block_n=4096, num_warps=8, programs_per_sm=2, num_stages=2, hoist_params=True)
 FUSED_BWD = {64: (64, 8, 2, 1), 128: (32, 8, 2, 1), 256: (16, 8, 2, 1), 512: (8, 8, 2, 1), 1024: (2, 4, 4, 2),
              2048: (1, 4, 4, 1), 4096: (1, 8, 2, 1), 8192: (1, 16, 1, 1), 16384: (1, 16, 2, 1)}
@@ -219,8 +187,8 @@ SPECIALIZED = {(9, 0): "staged"}
 
 # The staged forward for rows longer than MAX_FUSED_N_FWD (bf16/fp16 x, N % 16 == 0, no residual, 16-byte
 # aligned rows and parameters): x read once instead of twice. H100, % of copy, benchmark:
-# RMSNorm 65536 97% vs 77% chunked, LayerNorm 65536 95% vs 76%. `python benchmarks/bench_kernels.py --out
-# staged.json --providers shardnorm --shapes longrow`, then the same with SHARDNORM_PORTABLE_KERNELS=1.
+# RMSNorm 65536 97% vs 77% chunked, LayerNorm 65536 95% vs 76% (`bench_kernels.py --shapes longrow`, then
+# again with SHARDNORM_PORTABLE_KERNELS=1).
 STAGED_FWD = StagedConfig(num_warps=32)
 
 # The staged backward, by (next_pow2(N), weight bytes, RMSNorm), where the row fits (norm_bwd_staged.fits) and
@@ -229,13 +197,9 @@ STAGED_FWD = StagedConfig(num_warps=32)
 # - whole rows in two slots, the next row's copies a row ahead (one 16384-column slice, 16 warps: 128
 #   registers a thread, where 32 warps spill LayerNorm's dgamma/dbeta sums): LayerNorm 14336 87-88%, 16384 96%.
 # - 16384-column slices in three slots, the next row's sums published before this row's are awaited, tagged
-#   words for the exchange: LayerNorm 32768 87-88%, 65536 85%, RMSNorm 32768 92-93%, 65536 92-93%.
-# `python benchmarks/gpu_longrow.py --out longrow` (split and staged candidates at these shapes, checked
-# against float64).
-# fp32 weights take the same configs: H200, bf16 x and dy, benchmark GB/s of the backward, staged against split
-# (`bench_kernels.py --providers shardnorm --weights float32 --shapes longrow`, then with these entries removed):
-# LayerNorm 14336 2972 vs 1960, 16384 3419 vs 2280, 32768 2788 vs 2330, 65536 2664 vs 2236; RMSNorm 32768 2799
-# vs 2513, 65536 2848 vs 2473 (copy 4247 GB/s; every provider checked against float64 in the run).
+#   words for the exchange: LayerNorm 32768 87-88%, 65536 85%, RMSNorm 32768 92-93%, 65536 92-93%
+#   (`benchmarks/gpu_longrow.py`).
+# fp32 weights take the same configs: H200, benchmark, 1.12-1.48x the split backward (docs/performance.md).
 _STAGED_TWO_SLOTS = StagedConfig(num_warps=16, slice_n=16384)
 _STAGED_SLICES = StagedConfig(num_warps=16, slice_n=16384, slots=3)
 STAGED_BWD = {(16384, weight_bytes, False): _STAGED_TWO_SLOTS for weight_bytes in (2, 4)} | {
@@ -315,12 +279,9 @@ def partial_rows(cfg: BwdConfig, m: int, n: int, sm_count: int) -> int:
     return cfg.programs(cdiv(m, cfg.block_m), sm_count)
 
 
-# One-pass backwards of at most this many elements (M * N) take every row in one program, which
-# stores dgamma/dbeta itself: no fp32 partial buffer and no column-sum launch, i.e. an allocation and
-# a launch less of host time, the whole cost at such sizes (backward alone 35.7 -> 32.2 us
-# for RMSNorm 8 x 4096 bf16 on CPU with a stubbed launch, pointers as ints included;
-# `python benchmarks/host_time.py --shapes 8x4096`).
-# One program walking 8 x 4096 bf16 (128 KB of x and dy) is a few us of GPU time.
+# One-pass backwards of at most this many elements (M * N) take every row in one program, which stores
+# dgamma/dbeta itself: an allocation and a launch less of host time, the whole cost at such sizes (35.7 ->
+# 32.2 us for RMSNorm 8 x 4096 bf16, `benchmarks/host_time.py`), for a few us of GPU time.
 DIRECT_GRADS_MAX_ELEMENTS = 32768
 
 

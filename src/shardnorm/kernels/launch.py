@@ -1,26 +1,11 @@
 """Kernel launches that look the compiled kernel up in a cache of our own.
 
-`kernel[grid](...)` binds and specializes every argument, reads Triton's knobs and builds a string
-cache key before it launches: ~38 us of host time per launch on the H100 machine's CPU, of which
-the launch itself is ~12 us (docs/performance.md). At small sizes a norm's whole kernel takes
-that long, so a `Launcher` fixes a kernel's constexprs and launch options once and keys the compiled
-kernel on what Triton specializes a runtime argument on (a tensor's dtype and 16-byte alignment; an
-int's width, whether it is 1, whether 16 divides it) plus the device, and launches it as
-JITFunction.run does after its own lookup. A key Triton has not seen goes through `kernel[grid]`
-(which compiles or finds the kernel) and is remembered. The key is at least as fine as Triton's, so a
-cached kernel is never reused where Triton would have specialized differently. The interpreter
-(TRITON_INTERPRET=1) always takes the plain path.
-
-A cached launch passes the tensors themselves, as JITFunction.run does: Triton's C launcher calls each one's
-`data_ptr()` and asks the driver (`cuPointerGetAttribute`) whether the memory is on a GPU, so a host tensor
-raises instead of being read as device memory. Passing their addresses would give up that check for no
-measurable host time (H100, `python benchmarks/host_time.py --out OUT` run both ways, interleaved: within the
-host's noise). Tensors on another GPU are caught before: `functional._check` checks the forward's (weight, bias,
-residual against x), the autograd engine a backward's incoming grads, and the custom ops their arguments
-(`ops._check_devices`).
-
-`triton_specialization` asks Triton's own binder what it specializes a launch on (tests/test_launch.py holds the
-cache key to it); Triton's internals stay in this file.
+`kernel[grid](...)` costs ~38 us of host time per launch on the H100 machine, as long as a small norm's whole
+kernel (docs/performance.md). A `Launcher` keys the compiled kernel on what Triton specializes a runtime
+argument on, plus the device: at least as fine as Triton's key (tests/test_launch.py holds it to
+`triton_specialization`), so a cached kernel is never reused where Triton would specialize differently. It
+passes the tensors themselves, so Triton's launcher still checks that their memory is on a GPU. The
+interpreter always takes the plain path. Triton's internals stay in this file.
 """
 
 import operator
@@ -55,16 +40,12 @@ def _key(device, args) -> tuple:
 
 
 class Launcher:
-    """`kernel[grid](*args, num_warps=num_warps, **constexprs)` minus most of its host time (docs/performance.md:
-    15.3 vs 21.8 us of host time per launch on the H100 machine, 32768 x 1024; host time per call: `python
-    benchmarks/host_time.py --out OUT`). constexprs: all the kernel's constexpr parameters, which follow its runtime
-    ones; cooperative: launched as a cooperative grid (the compiled kernel carries the flag, so the cached
-    path keeps it). Built once per launch configuration (the launchers' plans hold them), called with the
-    runtime arguments.
-
-    `derived`: positions of runtime arguments left out of the cache key because the caller allocates
-    them fresh (so 16-byte aligned) with a dtype and presence fixed by the keyed arguments and the
-    plan, e.g. y = empty_like(x); each keyed tensor costs the key ~0.3 us of host time per launch."""
+    """`kernel[grid](*args, num_warps=num_warps, **constexprs)` minus most of its host time (15.3 vs 21.8 us per
+    launch on the H100 machine). constexprs: all the kernel's constexpr parameters, which follow its runtime
+    ones; cooperative: launched as a cooperative grid. Built once per launch configuration, called with the
+    runtime arguments. `derived`: positions of runtime arguments left out of the cache key because the caller
+    allocates them fresh (so 16-byte aligned) with a dtype fixed by the keyed arguments and the plan, e.g.
+    y = empty_like(x): each keyed tensor costs ~0.3 us of host time per launch."""
 
     def __init__(self, kernel, num_warps: int, cooperative: bool = False, derived: tuple = (), **constexprs):
         self.kernel = kernel

@@ -1,17 +1,11 @@
 """Backward kernels of the norm family and their launcher.
 
-Rows that fit in registers take `norm_bwd_kernel`, one pass over x and dy: P persistent programs walk
-the row blocks grid-stride, write dx, and keep dgamma/dbeta partial sums in fp32 registers. Longer
-rows take the split backward: `row_sums_kernel` reads [BLOCK_M, BLOCK_N] tiles for the two per-row
-reductions dx needs (partial sums per column tile) and the dgamma/dbeta partials, then `dx_kernel`
-reads the tiles again and writes dx. On Hopper the shapes of `config.STAGED_BWD` take the staged
-backward instead (`norm_bwd_staged.py`, Gluon): the row held in shared memory, x and dy read once.
-
-Either way each program (row group) owns one row of a [P, G*N] fp32 partial buffer and writes it
-even when it got no rows; `column_sum_kernel` reduces that buffer over P in a fixed order. Tiny inputs
-(`config.direct_grads`) skip both: one one-pass program takes every row and stores dgamma/dbeta itself.
-Deterministic (bitwise repeatable): no atomic adds into results (the staged backward's exchange words
-only carry each slice's partial row sums, added in slice order).
+Rows that fit in registers take `norm_bwd_kernel`, one pass over x and dy by persistent programs that keep
+dgamma/dbeta partial sums in fp32 registers; longer rows the split backward (`row_sums_kernel`, then
+`dx_kernel`), or on Hopper the staged one (`norm_bwd_staged.py`). Each program (row group) owns one row of a
+[P, G*N] fp32 partial buffer, written even when it got no rows, which `column_sum_kernel` reduces in a fixed
+order: bitwise repeatable, no atomics. Tiny inputs (`config.direct_grads`) take one program that stores
+dgamma/dbeta itself.
 """
 
 import functools
@@ -173,11 +167,9 @@ def _plan(n: int, weight_dtype, has_bias: bool, has_dz: bool, rms: bool, zero_ce
 
 
 class _BwdPlan:
-    """A backward's launches for one N, weight dtype, variant and device: configs and launchers are
-    chosen once, so a call does only what depends on the tensors (M, allocations, pointers). At small
-    sizes the host time of a call is most of the backward's time (docs/performance.md).
-    kernels: `config.specialized(device)`; a staged plan hands the calls its copies cannot take
-    (`_stageable`) to the portable plan of the same shape."""
+    """A backward's launches for one N, weight dtype, variant and device, chosen once so that a call does only
+    what depends on the tensors (host time: docs/performance.md). kernels: `config.specialized(device)`; a
+    staged plan hands the calls its copies cannot take (`_stageable`) to the portable plan of the same shape."""
 
     def __init__(self, n, weight_dtype, has_bias, has_dz, rms, zero_centered, device, kernels):
         has_weight = weight_dtype is not None
@@ -225,9 +217,6 @@ class _BwdPlan:
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
         self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
-
-    # derived= (Launcher): the buffers this plan allocates (row sums, dx, partials, dweight/dbias) are
-    # left out of the launch keys; their dtypes are fixed by src and the plan.
 
     def _grid(self, M):
         """(programs, dx tiles, direct) for M rows; direct: one program writes dgamma/dbeta itself

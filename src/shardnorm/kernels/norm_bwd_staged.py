@@ -1,22 +1,11 @@
 """Long-row backward with the row staged in shared memory (Gluon), so x and dy are read from HBM once.
 
-Triton's `tl` keeps a tile in registers, and a 14336-16384-column LayerNorm row (x, dy and the
-dgamma/dbeta accumulators) does not fit one program's registers: the `tl` split backward reads the row
-twice (59-61 % of copy on an H100). Here persistent programs
-own rows, or column slices of rows: a program copies its slice of a row's x and dy into shared memory chunk
-by chunk with `cp.async`, takes the two row sums from there, then reads the chunks again for dx. Rows are
-held in two or three row slots, so the next row's copies are issued a whole row ahead of its use. The
-slices of a row meet as tagged 64-bit words (relaxed stores and polls, no fence, launched cooperatively);
-one slice (rows to 16384 columns) needs no exchange. The fp32 dgamma/dbeta sums stay in registers (up to
-half the register file) and go to the same [P, G*N] partial buffer and `column_sum_kernel` as the other
-backwards (deterministic). Which rows take it: `config.STAGED_BWD` (with the numbers that justify it).
-
-Every thread reads back only the elements it copied itself (one distributed layout for the copies and
-the loads), so a chunk is ready for a thread once its own copy group has landed (the block barriers
-the compiler adds around shared memory are not needed for it). Gluon does not run under
-TRITON_INTERPRET: the split backward, the same math in `tl`, is what CI checks on CPU; these kernels
-are checked against float64 on the GPU (tests/test_long_rows_staged.py). Shared memory is sized for
-Hopper (`config.SPECIALIZED`).
+Persistent programs copy their slice of a row's x and dy into shared memory with `cp.async`, take the two
+row sums from there and read it again for dx, the next row's copies a row ahead; a row's slices meet as
+tagged 64-bit words. dgamma/dbeta sums go to the partial buffer `column_sum_kernel` reduces. Every thread
+reads back only what it copied itself, so a chunk is ready for it once its own copy group has landed. Gluon
+does not run under TRITON_INTERPRET: CI checks the split backward (the same math in `tl`), the GPU tests
+this one (tests/test_long_rows_staged.py). Which rows: `config.STAGED_BWD`.
 """
 
 import functools

@@ -1,9 +1,7 @@
-"""Forward kernel of the norm family and its launcher.
-
-One kernel serves LayerNorm and RMSNorm, with or without weight, bias, residual add and
-zero-centered gamma, through constexpr switches. Math is fp32 whatever the storage dtypes.
-With a residual, z = x + residual is rounded to z's dtype and stored first, and the norm is taken of
-that rounded z, so forward and backward (which re-reads z) see the same input.
+"""Forward kernel of the norm family (LayerNorm and RMSNorm, weight, bias, residual add and zero-centered gamma
+through constexpr switches; fp32 math) and its launcher. With a residual, z = x + residual is rounded to z's
+dtype and stored first, and the norm is taken of that rounded z, so that the backward (which re-reads z) sees
+the forward's input.
 """
 
 import functools
@@ -210,10 +208,8 @@ def _plan(n: int, param_size: int, has_weight: bool, has_bias: bool, has_residua
 
 
 class _FwdPlan:
-    """The forward's launch for one N, parameter size, variant and device, chosen once (see
-    norm_bwd's _BwdPlan). kernels: `config.specialized(device)`; "staged" adds the staged forward for
-    rows longer than MAX_FUSED_N_FWD; calls whose rows or parameters its copies cannot take
-    (`config.staged_rows`, `_stageable_params`) run the portable kernel."""
+    """The forward's launch for one N, parameter size, variant and device, chosen once (as `_BwdPlan`). "staged"
+    kernels add the staged forward above MAX_FUSED_N_FWD for the calls its copies can take."""
 
     def __init__(self, n, param_size, has_weight, has_bias, has_residual, rms, zero_centered, device, kernels=""):
         self.rms = rms

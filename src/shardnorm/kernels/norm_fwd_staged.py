@@ -1,15 +1,10 @@
 """Long-row forward with the row staged in shared memory (Gluon), so x is read from HBM once.
 
-Above 32768 columns a row does not fit one program's registers and the `tl` forward reads it twice
-(statistics, then y: 67 % of copy at best, 76-78 % with L2 hits). Here one persistent program per SM
-copies a row of x into shared memory chunk by chunk with `cp.async` (a 65536-column bf16 row is 128 KB),
-takes the statistics as the chunks land (LayerNorm's in one pass too, `_warp_moments`) and writes y; as
-each chunk is consumed in that last pass the same thread copies the next row's chunk into its place.
-Parameters are the same for every row: LayerNorm holds the first chunks' weight and bias in the shared
-memory the row leaves free (`param_chunks`), the rest come from L2, each chunk's loaded one chunk ahead.
-Same staging as the backward (`norm_bwd_staged.py`); Gluon does not run under TRITON_INTERPRET, so CI
-checks the chunked `tl` forward (the same result to fp32 rounding) and the GPU tests this one
-(tests/test_long_rows_staged.py).
+One persistent program per SM copies a row of x into shared memory chunk by chunk with `cp.async`, takes the
+statistics as the chunks land (LayerNorm's in one pass too, `_warp_moments`) and writes y, copying the next
+row's chunk into each chunk's place as it is consumed. LayerNorm holds the first chunks' weight and bias in
+the shared memory the row leaves free (`param_chunks`). Gluon does not run under TRITON_INTERPRET: CI checks
+the chunked `tl` forward, the GPU tests this one (tests/test_long_rows_staged.py).
 """
 
 from triton.experimental import gluon
