@@ -9,29 +9,14 @@ output (`SequenceParallelNorm(output_layouts=Replicate())`): each rank keeps onl
 unpack recomputes the local output and all-gathers it again (Megatron-Core's and TransformerEngine's SP
 activation memory, for torch-native tensor parallelism).
 
-The mechanism is torch's own, `torch.autograd.graph.saved_tensors_hooks`:
-
-- Scope: while some norm has keep_output=False, global module forward (pre-)hooks push the pack/unpack hooks
-  at the outermost module call and pop them when it returns, so every tensor saved inside a model's forward
-  goes through them. They are not pushed where the saved tensors are managed already (an active
-  saved-tensors hook: non-reentrant `torch.utils.checkpoint`, `save_on_cpu`), inside a backward (a
-  reentrant checkpoint's recompute), under grad-mode off or while Dynamo traces (compiled models take the
-  selective checkpoint below).
-- Pack: a tensor over a tracked norm output's storage (the output, a view or an alias of it), unchanged since
-  the norm's forward (version counter), is saved as (handle, where it lies in that storage); every other tensor is saved as a detached alias with its version,
-  which unpack checks as autograd itself would (hooks turn off autograd's own check).
-- Unpack: the first consumer's unpack recomputes the output with the same kernel on the same input (no
-  autograd), the others of the same backward share it, and the last drops it.
-- The user's tensor is never touched: y's memory is freed when nothing holds it any more (the consumers hold
-  handles), and kept, correct, where something else does (a forward hook that logs it, a cache, the parent's
-  output). Nothing is resized, nothing global holds a norm's input: a handle lives in the autograd graph that
-  saved it and goes with it.
-
-What is checked: the norm's input modified in place after the forward (version counter, at unpack), and
-modified where the version counter cannot see it (through `.data`): the recompute's statistics must equal the
-forward's bitwise, checked at the end of the backward (one device-to-host read per backward, none per norm);
-both raise `KeepOutputError`. The weight and bias are copied at the forward (N elements each), so FSDP2 /
-ZeRO-3 resharding the parameters after the forward does not matter.
+The mechanism is torch's own, `torch.autograd.graph.saved_tensors_hooks`, pushed at the outermost module call while
+some norm discards (docs/memory.md describes scope, pack, unpack and the checks). A save of a tracked output (a view
+or an alias of it, or a DTensor made around it), unchanged since the norm's forward, packs a handle; every other
+tensor packs a detached alias with its version, which unpack checks as autograd itself would (hooks turn off
+autograd's own check). The first unpack of a backward recomputes the output with the same kernel on the same input,
+the others share it. The user's tensor is never touched: y's memory goes when nothing holds it any more, and stays,
+correct, where something does. An input changed in place (version counter) or through `.data` (the recompute's
+statistics against the forward's, bitwise, read once at the end of the backward) raises `KeepOutputError`.
 
 Under torch.compile the hooks step aside; a norm with keep_output=False is traced inside a selective
 activation checkpoint that recomputes its forward op instead (`compiled_norm`), so AOTAutograd's partitioner
