@@ -25,21 +25,27 @@ class _RouteToReducer(torch.autograd.Function):
         return (None, None, None) + (None,) * len(grads)
 
 
-def route_to_reducer(params: tuple, local: tuple, group) -> tuple:
-    """`local` (the ranks' copies of `params`), with grads routed to the params' reducer if one is bound.
-
-    Only parameters that will get a grad and are bound to a reducer are routed; the rest pass through.
-    """
-    if not torch.is_grad_enabled():
-        return local
-    routed = [i for i, p in enumerate(params) if p is not None and p.requires_grad and bound_reducer(p)]
-    reducers = {id(bound_reducer(params[i])) for i in routed}
+def routed_params(params: tuple) -> tuple:
+    """(reducer, indices of `params` whose grads go to it): those that will get a grad, bound to a reducer;
+    (None, []) where there are none or grad mode is off."""
+    routed = [i for i, p in enumerate(params) if p is not None and p.requires_grad and bound_reducer(p)] \
+        if torch.is_grad_enabled() else []
     if not routed:
-        return local
-    if len(reducers) > 1:
+        return None, []
+    reducer = bound_reducer(params[routed[0]])
+    if any(bound_reducer(params[i]) is not reducer for i in routed):
         raise ValueError("shardnorm: a norm's weight and bias are bound to two different reducers")
+    return reducer, routed
+
+
+def route_to_reducer(params: tuple, local: tuple, group) -> tuple:
+    """`local` (the ranks' copies of `params`), with the grads of `routed_params` going to their reducer; the
+    rest pass through."""
+    reducer, routed = routed_params(params)
+    if reducer is None:
+        return local
     leaves = [local[i].detach().requires_grad_() for i in routed]
-    out = _RouteToReducer.apply(bound_reducer(params[routed[0]]), [params[i] for i in routed], group, *leaves)
+    out = _RouteToReducer.apply(reducer, [params[i] for i in routed], group, *leaves)
     local = list(local)
     for i, t in zip(routed, out):
         local[i] = t

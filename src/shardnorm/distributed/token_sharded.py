@@ -14,8 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardnorm import _torch_compat, ops, reference
-from shardnorm.distributed.grad_routing import route_to_reducer
-from shardnorm.distributed.grad_sources import bound_reducer
+from shardnorm.distributed.grad_routing import route_to_reducer, routed_params
 from shardnorm.distributed.layout import NormLayout
 from shardnorm.rows import as_param, as_rows
 
@@ -34,17 +33,14 @@ def _spec(layout: NormLayout, placements: tuple, shape, stride: tuple, dtype: to
 
 
 def routing(weight, bias, layout: NormLayout):
-    """(reducer, [(input index, param)], group) for the params whose grads go to a reducer (`grad_routing`);
-    None if there are none."""
-    if len(layout.token_mesh_dims) != 1 or not torch.is_grad_enabled():
+    """(reducer, [(input index, param)], group) for the params whose grads go to a reducer
+    (`grad_routing.routed_params`); None if there are none."""
+    if len(layout.token_mesh_dims) != 1:
         return None
-    routed = [(i, p) for i, p in ((1, weight), (2, bias)) if p is not None and p.requires_grad and bound_reducer(p)]
-    if not routed:
+    reducer, routed = routed_params((weight, bias))
+    if reducer is None:
         return None
-    reducer = bound_reducer(routed[0][1])
-    if any(bound_reducer(p) is not reducer for _, p in routed):
-        raise ValueError("shardnorm: a norm's weight and bias are bound to two different reducers")
-    return reducer, routed, layout.mesh.get_group(layout.token_mesh_dims[0])
+    return reducer, [(i + 1, (weight, bias)[i]) for i in routed], layout.mesh.get_group(layout.token_mesh_dims[0])
 
 
 def _local_param(p, n: int, fp32: bool):
