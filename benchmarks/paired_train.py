@@ -4,9 +4,9 @@
         [--nproc 2] [--common "train.steps=30 train.timing_skip=10"]
 
 Each run is `launch/train.sh CONFIG COMMON VARIANT train.out_dir=DIR/runs/pairK-X` (NPROC=--nproc; --runs RUNS puts
-the runs' folders and logs in RUNS instead of DIR/runs), in the order
-A, B, A, B, ...: the machine's drift over the runs falls on both variants. Per run the job's summary.json and
-metrics.jsonl (parallel/metrics.py) give the step time (mean over the timed steps), tokens/s, peak memory and the
+the runs' folders and logs in RUNS instead of DIR/runs), in the order A, B, A, B, ...: the machine's drift over the
+runs falls on both variants. Per run the job's summary.json and metrics.jsonl (parallel/metrics.py) give the step
+time (mean over the timed steps) and how those steps spread (slowest over fastest), tokens/s, peak memory and the
 losses. Per pair: the step-time ratio B/A. Over the pairs: the median ratio and its range (min, max), the peak
 memory of each variant, and loss parity (B's loss against A's of the same pair, step by step, relative). Writes
 DIR/paired_train.json, DIR/paired_train.md (with the command) and, where matplotlib is installed,
@@ -45,7 +45,8 @@ def read_run(out_dir: Path) -> dict:
         raise RunFailed(f"{summary_path} is missing: the run wrote no summary")
     summary = json.loads(summary_path.read_text())
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"step_time_s": summary["step_time_s"], "tokens_per_s": summary["tokens_per_s"],
+    timed = [r["step_time_s"] for r in records if not r.get("profiled")][-(summary.get("timed_steps") or 0):]
+    return {"step_time_s": summary["step_time_s"], "tokens_per_s": summary["tokens_per_s"], "step_times_s": timed,
             "peak_mem_gib": summary["peak_mem_gib"], "final_loss": summary["final_loss"],
             "timed_steps": summary.get("timed_steps"), "device": summary.get("device"),
             "memory_kind": summary.get("memory_kind"), "losses": [r["loss"] for r in records]}
@@ -95,18 +96,24 @@ def summarize(pairs: list[dict]) -> dict:
     return out
 
 
+def _within(run: dict) -> str:
+    """How a run's timed steps spread (slowest over fastest): one slow stretch, or a run slow throughout."""
+    times = run.get("step_times_s")
+    return f"{max(times) / min(times):.2f}" if times else "-"
+
+
 def markdown(meta: dict, pairs: list[dict], summary: dict) -> str:
     a, b = meta["a"], meta["b"]
     lines = [f"# Paired main-job runs: {meta['config']}", "",
              f"A = `{a}`, B = `{b}`, common `{meta['common']}`, {meta['nproc'] or 'default'} processes, "
              f"run order A, B per pair. Device: {meta.get('device')}.", "",
              f"Command: `{meta['command']}`", "",
-             "| pair | A step ms | B step ms | B/A | A peak GiB | B peak GiB | A final loss | B final loss |"
-             " loss max rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+             "| pair | A step ms | B step ms | B/A | A, B slowest/fastest step | A peak GiB | B peak GiB | A final loss |"
+             " B final loss | loss max rel diff |", "|---|---|---|---|---|---|---|---|---|---|"]
     for i, (p, ratio) in enumerate(zip(pairs, summary["ratios"]), 1):
         q = loss_parity(p["a"]["losses"], p["b"]["losses"])
         lines.append(f"| {i} | {p['a']['step_time_s'] * 1e3:.1f} | {p['b']['step_time_s'] * 1e3:.1f} | {ratio:.3f} | "
-                     f"{p['a']['peak_mem_gib']:.2f} | {p['b']['peak_mem_gib']:.2f} | {p['a']['final_loss']:.4f} | "
+                     f"{_within(p['a'])}, {_within(p['b'])} | {p['a']['peak_mem_gib']:.2f} | {p['b']['peak_mem_gib']:.2f} | {p['a']['final_loss']:.4f} | "
                      f"{p['b']['final_loss']:.4f} | {q['max_rel_diff']:.2e} |")
     lines += ["", f"Step time B/A: median **{summary['median_ratio']:.3f}**, range "
                   f"[{summary['min_ratio']:.3f}, {summary['max_ratio']:.3f}] over {summary['pairs']} pairs. "
