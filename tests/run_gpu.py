@@ -27,6 +27,12 @@ MULTI_RANK = "distributed or deepspeed"
 OUTCOME = re.compile(r"^(tests/\S+?::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", re.M)
 
 
+def outcomes(log: str) -> dict:
+    """{test id: PASSED / FAILED / ...} from a `pytest -v` log; a test that failed in its call and its teardown
+    keeps the last."""
+    return dict(OUTCOME.findall(log))
+
+
 def collect(marker: str, paths: list) -> list:
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                           "-m", marker, *paths], cwd=ROOT, capture_output=True, text=True)
@@ -91,14 +97,14 @@ def main() -> int:
             log.close()
             del running[name]
             text = (logs / f"{name}.log").read_text(errors="replace")
-            outcomes = dict(OUTCOME.findall(text))
-            counts = dict(tests=len(ids), passed=sum(v in ("PASSED", "XFAIL") for v in outcomes.values()),
-                          failed=sum(v in ("FAILED", "ERROR", "XPASS") for v in outcomes.values()),
-                          skipped=sum(v == "SKIPPED" for v in outcomes.values()))
-            counts["not_run"] = len(ids) - len(outcomes)
+            seen = outcomes(text)
+            counts = dict(tests=len(ids), passed=sum(v in ("PASSED", "XFAIL") for v in seen.values()),
+                          failed=sum(v in ("FAILED", "ERROR", "XPASS") for v in seen.values()),
+                          skipped=sum(v == "SKIPPED" for v in seen.values()))
+            counts["not_run"] = len(ids) - len(seen)
             for k in totals:
                 totals[k] += counts[k]
-            bad = [i for i, v in outcomes.items() if v in ("FAILED", "ERROR", "XPASS")]
+            bad = [i for i, v in seen.items() if v in ("FAILED", "ERROR", "XPASS")]
             failing += bad
             seconds = time.monotonic() - start
             with report.open("a") as f:
