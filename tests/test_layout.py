@@ -261,4 +261,3 @@ def test_one_module_behind_each_public_name():
         module = importlib.import_module(package)
         shadowed = [n for n in getattr(module, "__all__", ()) if _is_module(f"{package}.{n}")]
         assert not shadowed, f"{package} exports {shadowed}, which are also its modules' names"
-
