@@ -1,8 +1,8 @@
 """ZeRO stages 1, 2, 3 under shardnorm.integrations.deepspeed.initialize train exactly like plain torch.
 
 One spawned 2-rank group runs every case (DeepSpeed start-up dominates the run time): 3 optimizer
-steps of gradient accumulation 2, fresh random data, loss and parameters within 1e-5 of the same
-model (torch.nn norms) trained with torch AdamW.
+steps of gradient accumulation 2, fresh random data, losses within 1e-5 and parameters within 1e-4
+(PARAM_TOL says why) of the same model (torch.nn norms) trained with torch AdamW.
 """
 
 import os
@@ -16,6 +16,11 @@ from spawn_ranks import spawn
 deepspeed = pytest.importorskip("deepspeed")
 
 STEPS, GAS, ROWS, TOL = 3, 2, 4, 1e-5
+# The parameters after 3 AdamW steps: Adam divides each grad by its own running magnitude, so an element whose grad
+# nearly cancels over the rows carries its fp32 rounding (another reduction order under ZeRO) into a whole
+# lr-sized update; seen at 1.3e-5 of a LayerNorm bias (zero-centered case). A missed or doubled reduction moves
+# them by ~1e-2.
+PARAM_TOL = 1e-4
 
 # (name, config file, changes to zero_optimization, changes to the shardnorm section, changes to the optimizer)
 CASES = [
@@ -86,10 +91,11 @@ def _run_case(rank, world_size, device, seed, name, file, zero, section, optimiz
         h.remove()
 
     for i, (got, want) in enumerate(zip(losses, ref_losses)):
-        assert abs(got - want) <= TOL * abs(want), f"{name}: micro-batch {i} loss {got} vs torch {want}"
+        assert abs(got - want) <= TOL * abs(want), f"{name} (seed {seed}): micro-batch {i} loss {got} vs torch {want}"
     got, want = full_params(engine.module), dict(reference.named_parameters())
     for key in want:
-        assert rel_err(got[key], want[key]) <= TOL, f"{name}: {key} rel err {rel_err(got[key], want[key]):.2e}"
+        assert rel_err(got[key], want[key]) <= PARAM_TOL, \
+            f"{name} (seed {seed}): {key} rel err {rel_err(got[key], want[key]):.2e}"
     if config["zero_optimization"]["stage"] == 3:
         _check_partitioning(name, zero, norms)
     engine.destroy()
@@ -104,7 +110,9 @@ def _body(rank, world_size, seed):
 @pytest.mark.distributed
 @pytest.mark.deepspeed
 def test_zero_stages_match_plain_torch():
-    spawn(_body, 2, int.from_bytes(os.urandom(3), "little"))
+    seed = int.from_bytes(os.urandom(3), "little")
+    print(f"seed {seed}")
+    spawn(_body, 2, seed)
 
 
 def _low_precision_updates(rank, world_size, device, seed, precision, stage, shardnorm_on):
@@ -162,4 +170,6 @@ def _low_precision_body(rank, world_size, seed):
 def test_bf16_fp16_configs_update_like_torch_norms():
     """bf16 (and, where the accelerator supports it, fp16) ZeRO-2/3 configs: shardnorm's norms get the same
     updates as torch's norms under the same DeepSpeed config."""
-    spawn(_low_precision_body, 2, int.from_bytes(os.urandom(3), "little"))
+    seed = int.from_bytes(os.urandom(3), "little")
+    print(f"seed {seed}")  # pytest shows it with a failure
+    spawn(_low_precision_body, 2, seed)
