@@ -120,17 +120,34 @@ def test_imports_run_one_way():
         + "; ".join(upward)
 
 
+def _outside_torch_compat():
+    """(path relative to SRC, parsed module) of every source file the torch-access scans read."""
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel != "_torch_compat.py":
+            yield rel, ast.parse(path.read_text())
+
+
+def _findings_in(source: str, scan, tmp_path, monkeypatch) -> str:
+    """What `scan` (a test above) reports for a tree holding one file, bad.py, of `source`; fails if it passes."""
+    bad = tmp_path / "shardnorm"
+    bad.mkdir()
+    (bad / "bad.py").write_text(source)
+    monkeypatch.setitem(globals(), "SRC", bad)
+    try:
+        scan()
+    except AssertionError as e:
+        return str(e)
+    raise AssertionError(f"{scan.__name__} found nothing in:\n{source}")
+
+
 def test_private_torch_apis_only_in_torch_compat():
     """Outside _torch_compat.py, src/ reaches no `torch._*` / `._C` / private torch module, no known torch
     internal, and no private attribute of a torch object (by attribute or by name in a string), save the
     justified few; each finding names file:line."""
     private_names = _torch_private_names()
     found = []
-    for path in sorted(SRC.rglob("*.py")):
-        rel = path.relative_to(SRC).as_posix()
-        if rel == "_torch_compat.py":
-            continue
-        tree = ast.parse(path.read_text())
+    for rel, tree in _outside_torch_compat():
         own = _defined_in(tree)
         for node in ast.walk(tree):
             names = []
@@ -166,22 +183,14 @@ def test_private_torch_apis_only_in_torch_compat():
 
 def test_the_scan_sees_private_torch_access(tmp_path, monkeypatch):
     """The scan above flags each kind of access it looks for (a scan that sees nothing would always pass)."""
-    bad = tmp_path / "shardnorm"
-    bad.mkdir()
-    (bad / "bad.py").write_text("import torch\n"
-                                "a = torch._C._current_graph_task_id()\n"
-                                "b = module._backward_hooks\n"
-                                "c = getattr(param, '_post_accumulate_grad_hooks', None)\n"
-                                "d = mesh._flatten('dp')\n"
-                                "e = getattr(placement, 'split_factor', 1)\n"
-                                "from torch.utils._python_dispatch import TorchDispatchMode\n")
-    monkeypatch.setitem(globals(), "SRC", bad)
-    try:
-        test_private_torch_apis_only_in_torch_compat()
-    except AssertionError as e:
-        message = str(e)
-    else:
-        raise AssertionError("the scan found nothing in a file full of private torch access")
+    message = _findings_in("import torch\n"
+                           "a = torch._C._current_graph_task_id()\n"
+                           "b = module._backward_hooks\n"
+                           "c = getattr(param, '_post_accumulate_grad_hooks', None)\n"
+                           "d = mesh._flatten('dp')\n"
+                           "e = getattr(placement, 'split_factor', 1)\n"
+                           "from torch.utils._python_dispatch import TorchDispatchMode\n",
+                           test_private_torch_apis_only_in_torch_compat, tmp_path, monkeypatch)
     for expected in ("bad.py:2: torch._C._current_graph_task_id", "bad.py:2: ._C", "bad.py:3: ._backward_hooks",
                      "bad.py:4: '_post_accumulate_grad_hooks'", "bad.py:5: ._flatten",
                      "bad.py:6: 'split_factor'", "bad.py:7: torch.utils._python_dispatch"):
@@ -205,32 +214,19 @@ def test_type_name_checks_only_in_torch_compat():
     """DTensors, pending collectives and placements are told apart by `_torch_compat`'s predicates (is_dtensor,
     is_pending_collective, is_block_shard), not by comparing a class's name elsewhere; each finding names
     file:line."""
-    found = []
-    for path in sorted(SRC.rglob("*.py")):
-        rel = path.relative_to(SRC).as_posix()
-        if rel == "_torch_compat.py":
-            continue
-        found += [f"{rel}:{line}: __name__ compared with {what}"
-                  for line, what in _name_checks(ast.parse(path.read_text()))]
+    found = [f"{rel}:{line}: __name__ compared with {what}"
+             for rel, tree in _outside_torch_compat() for line, what in _name_checks(tree)]
     assert not found, "type checks by class name outside shardnorm/_torch_compat.py:\n" + "\n".join(found)
 
 
 def test_the_scan_sees_type_name_checks(tmp_path, monkeypatch):
-    bad = tmp_path / "shardnorm"
-    bad.mkdir()
-    (bad / "bad.py").write_text("PENDING = 'AsyncCollectiveTensor'\n"
-                                "a = type(t).__name__ == 'DTensor'\n"
-                                "b = type(t).__name__ != PENDING\n"
-                                "c = any(k.__name__ == 'DTensor' for k in type(p).__mro__)\n"
-                                "d = type(t).__name__ in ('DTensor', 'Tensor')\n"
-                                "ok = 'norm' in type(m).__name__.lower() or f(type(m).__name__)\n")
-    monkeypatch.setitem(globals(), "SRC", bad)
-    try:
-        test_type_name_checks_only_in_torch_compat()
-    except AssertionError as e:
-        message = str(e)
-    else:
-        raise AssertionError("the scan found nothing in a file of type-name checks")
+    message = _findings_in("PENDING = 'AsyncCollectiveTensor'\n"
+                           "a = type(t).__name__ == 'DTensor'\n"
+                           "b = type(t).__name__ != PENDING\n"
+                           "c = any(k.__name__ == 'DTensor' for k in type(p).__mro__)\n"
+                           "d = type(t).__name__ in ('DTensor', 'Tensor')\n"
+                           "ok = 'norm' in type(m).__name__.lower() or f(type(m).__name__)\n",
+                           test_type_name_checks_only_in_torch_compat, tmp_path, monkeypatch)
     for expected in ("bad.py:2: __name__ compared with 'DTensor'", "bad.py:3: __name__ compared with PENDING",
                      "bad.py:4: __name__ compared with 'DTensor'", "bad.py:5: __name__ compared with ('DTensor', "):
         assert expected in message, (expected, message)
