@@ -27,7 +27,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # parallel/ runs from the checkout
+from parallel.runtime import free_port  # noqa: E402
 
 VARIANTS = ("torch", "shardnorm", "shardnorm_recompute")
 MIB = 2 ** 20
@@ -197,12 +197,6 @@ def _summary(tp: int, rows: dict, args) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -226,7 +220,7 @@ def main() -> None:
             print(f"tp={tp}: {torch.cuda.device_count()} GPUs visible, skipped")
             continue
         queue = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(_rank, args=(tp, _free_port(), args, queue), nprocs=tp, join=True)
+        mp.spawn(_rank, args=(tp, free_port(), args, queue), nprocs=tp, join=True)
         results.append(_summary(tp, queue.get(), args))
         (args.out / "sp_activation_memory.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)},
                                                                             results=results), indent=1))

@@ -7,7 +7,6 @@ device); `DEVICE` is what tests pass to `init_device_mesh`, which puts DTensors 
 """
 
 import os
-import socket
 import sys
 
 import pytest
@@ -16,12 +15,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEVICE = os.environ.get("SHARDNORM_TEST_DEVICE") or "cpu"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_device(rank: int) -> torch.device:
