@@ -78,8 +78,8 @@ class QKNorm(nn.Module):
 
 
 def test_apply_refuses_autotp_step_before_converting():
-    """`"grad_reduce": "step"` under AutoTP through apply(): the error comes before the model changes (it used to
-    come after conversion and the weight - 1 rewrite)."""
+    """`"grad_reduce": "step"` under AutoTP through apply(): the error comes before the model changes (no conversion,
+    no weight - 1 rewrite), so the model is left as the user had it."""
     pytest.importorskip("deepspeed")
     model = nn.Sequential(QKNorm(), nn.LayerNorm(8))
     weights = [p.detach().clone() for p in model.parameters()]
