@@ -13,8 +13,11 @@ Writes OUT_DIR/host_time.json and OUT_DIR/host_time.md.
 """
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -55,6 +58,34 @@ def host_us_interleaved(fns: dict, calls=CALLS, rounds=ROUNDS, best_of=3) -> dic
     return best
 
 
+def profile_text(fn, calls: int = 200, top: int = 30) -> str:
+    """cProfile of `calls` calls of fn (after a warm-up): the `top` functions by own time, then by cumulative
+    time; where a provider's host time goes."""
+    for _ in range(3):
+        fn()
+    sync()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    sync()
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    text.write(f"{calls} calls\n")
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
+def write_profiles(out: str, label: str, fns: dict, names=None) -> None:
+    """OUT/profile/<label>-<provider>.txt for each provider in `names` (all by default)."""
+    os.makedirs(os.path.join(out, "profile"), exist_ok=True)
+    for name in names or fns:
+        with open(os.path.join(out, "profile", f"{label}-{name}.txt"), "w") as f:
+            f.write(profile_text(fns[name]))
+
+
 def providers(rms: bool, n: int, device, dtype):
     ours = (shardnorm.RMSNorm if rms else shardnorm.LayerNorm)(n, device=device, dtype=dtype)
     theirs = (torch.nn.RMSNorm if rms else torch.nn.LayerNorm)(n, device=device, dtype=dtype)
@@ -89,6 +120,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", nargs="*", help="MxN (default 8x4096 8x1024 4096x128)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write a cProfile of each provider's forward+backward to OUT/profile/")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -101,6 +134,9 @@ def main():
             fns = providers(rms, n, device, dtype)
             forward = host_us_interleaved({name: (lambda f=f: f(x)) for name, f in fns.items()})
             backward = host_us_interleaved({name: (lambda f=f: f(x).backward(dy)) for name, f in fns.items()})
+            if args.profile:
+                write_profiles(args.out, f"{'rms' if rms else 'ln'}-{m}x{n}",
+                               {name: (lambda f=f: f(x).backward(dy)) for name, f in fns.items()})
             for name in fns:
                 rows.append({"norm": "rms" if rms else "ln", "m": m, "n": n, "provider": name,
                              "forward_us": forward[name], "forward_backward_us": backward[name]})

@@ -34,7 +34,7 @@ import shardnorm
 from shardnorm.distributed import SequenceParallelNorm, attach_reducer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import host_us_interleaved  # noqa: E402
+from host_time import host_us_interleaved, write_profiles  # noqa: E402
 
 # global [batch, sequence, hidden]; tp=2 gives each rank 8 rows of 4096 (host_time.py's 8 x 4096)
 GPU_SHAPES = ((1, 16, 4096),)
@@ -95,6 +95,8 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--shapes", nargs="*", help="BxSxN global shapes, sharded on S (default: per device)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write a cProfile of each provider's forward+backward to OUT/profile/ (rank 0)")
     parser.add_argument("--label", default="", help="a name for this tree in the output (e.g. before / after)")
     args = parser.parse_args()
     device = init(args.device)
@@ -119,6 +121,9 @@ def main():
             with shardnorm.accumulate(routed):
                 forward = host_us_interleaved({name: (lambda f=f: f(x, r)) for name, f in fns.items()})
                 backward = host_us_interleaved({name: (lambda f=f: f(x, r).backward(dy)) for name, f in fns.items()})
+                if args.profile and rank == 0:
+                    write_profiles(args.out, f"{'add_rms' if residual else 'rms'}-{b}x{s}x{n}",
+                                   {name: (lambda f=f: f(x, r).backward(dy)) for name, f in fns.items()})
             for name in fns:
                 rows.append({"norm": "add_rms" if residual else "rms", "b": b, "s": s, "n": n,
                              "local_rows": b * s // world, "provider": name, "forward_us": forward[name],

@@ -4,11 +4,13 @@
         [--nproc 2] [--common "train.steps=30 train.timing_skip=10"]
 
 Each run is `launch/train.sh CONFIG COMMON VARIANT train.out_dir=DIR/runs/pairK-X` (NPROC=--nproc; --runs RUNS puts
-the runs' folders and logs in RUNS instead of DIR/runs), in the order A, B, A, B, ...: the machine's drift over the
-runs falls on both variants. Per run the job's summary.json and metrics.jsonl (parallel/metrics.py) give the step
-time (mean over the timed steps) and how those steps spread (slowest over fastest), tokens/s, peak memory and the
-losses. Per pair: the step-time ratio B/A. Over the pairs: the median ratio and its range (min, max), the peak
-memory of each variant, and loss parity (B's loss against A's of the same pair, step by step, relative). Writes
+the runs' folders and logs in RUNS instead of DIR/runs), in the order A, B, B, A, A, B, ...: odd pairs run A first,
+even pairs B first, so neither the machine's drift over the runs nor going first in a pair falls on one variant.
+Per run the job's summary.json and metrics.jsonl (parallel/metrics.py) give the step time (mean over the timed
+steps), the median timed step and how those steps spread (slowest over fastest), tokens/s, peak memory and the
+losses. Per pair: the step-time ratio B/A, of the means and of the median steps (a few slow steps move the mean,
+not the median). Over the pairs: the median of each ratio and its range (min, max), the peak memory of each
+variant, and loss parity (B's loss against A's of the same pair, step by step, relative). Writes
 DIR/paired_train.json, DIR/paired_train.md (with the command) and, where matplotlib is installed,
 DIR/paired_train.png; prints the table. Each run's log is DIR/runs/pairK-X.log. A failed run stops the
 benchmark (exit 1) with what was measured so far written. Whole-run speed claims about the main job are quoted
@@ -47,6 +49,7 @@ def read_run(out_dir: Path) -> dict:
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = [r["step_time_s"] for r in records if not r.get("profiled")][-(summary.get("timed_steps") or 0):]
     return {"step_time_s": summary["step_time_s"], "tokens_per_s": summary["tokens_per_s"], "step_times_s": timed,
+            "median_step_s": statistics.median(timed) if timed else summary["step_time_s"],
             "peak_mem_gib": summary["peak_mem_gib"], "final_loss": summary["final_loss"],
             "timed_steps": summary.get("timed_steps"), "device": summary.get("device"),
             "memory_kind": summary.get("memory_kind"), "losses": [r["loss"] for r in records]}
@@ -76,10 +79,13 @@ def loss_parity(a: list[float], b: list[float]) -> dict:
 def summarize(pairs: list[dict]) -> dict:
     """Per-pair ratios B/A of the step time, their median and range; memory and loss parity over the pairs."""
     ratios = [p["b"]["step_time_s"] / p["a"]["step_time_s"] for p in pairs]
+    median_step_ratios = [p["b"]["median_step_s"] / p["a"]["median_step_s"] for p in pairs]
     parity = [loss_parity(p["a"]["losses"], p["b"]["losses"]) for p in pairs]
     out = {"pairs": len(pairs), "ratios": ratios,
            "median_ratio": statistics.median(ratios) if ratios else float("nan"),
            "min_ratio": min(ratios, default=float("nan")), "max_ratio": max(ratios, default=float("nan")),
+           "median_step_ratios": median_step_ratios,
+           "median_of_median_step_ratios": statistics.median(median_step_ratios) if pairs else float("nan"),
            "loss_max_rel_diff": max((q["max_rel_diff"] for q in parity), default=float("nan")),
            "loss_final_rel_diff": max((q["final_rel_diff"] for q in parity), default=float("nan"))}
     for v in VARIANTS:
@@ -106,17 +112,20 @@ def markdown(meta: dict, pairs: list[dict], summary: dict) -> str:
     a, b = meta["a"], meta["b"]
     lines = [f"# Paired main-job runs: {meta['config']}", "",
              f"A = `{a}`, B = `{b}`, common `{meta['common']}`, {meta['nproc'] or 'default'} processes, "
-             f"run order A, B per pair. Device: {meta.get('device')}.", "",
+             f"run order A, B in odd pairs, B, A in even ones. Device: {meta.get('device')}.", "",
              f"Command: `{meta['command']}`", "",
-             "| pair | A step ms | B step ms | B/A | A, B slowest/fastest step | A peak GiB | B peak GiB | A final loss |"
-             " B final loss | loss max rel diff |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for i, (p, ratio) in enumerate(zip(pairs, summary["ratios"]), 1):
+             "| pair | A step ms | B step ms | B/A | B/A of median steps | A, B slowest/fastest step | A peak GiB |"
+             " B peak GiB | A final loss | B final loss | loss max rel diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, (p, ratio, median) in enumerate(zip(pairs, summary["ratios"], summary["median_step_ratios"]), 1):
         q = loss_parity(p["a"]["losses"], p["b"]["losses"])
         lines.append(f"| {i} | {p['a']['step_time_s'] * 1e3:.1f} | {p['b']['step_time_s'] * 1e3:.1f} | {ratio:.3f} | "
-                     f"{_within(p['a'])}, {_within(p['b'])} | {p['a']['peak_mem_gib']:.2f} | {p['b']['peak_mem_gib']:.2f} | {p['a']['final_loss']:.4f} | "
+                     f"{median:.3f} | {_within(p['a'])}, {_within(p['b'])} | {p['a']['peak_mem_gib']:.2f} | {p['b']['peak_mem_gib']:.2f} | {p['a']['final_loss']:.4f} | "
                      f"{p['b']['final_loss']:.4f} | {q['max_rel_diff']:.2e} |")
     lines += ["", f"Step time B/A: median **{summary['median_ratio']:.3f}**, range "
-                  f"[{summary['min_ratio']:.3f}, {summary['max_ratio']:.3f}] over {summary['pairs']} pairs. "
+                  f"[{summary['min_ratio']:.3f}, {summary['max_ratio']:.3f}] over {summary['pairs']} pairs; of the "
+                  f"median steps: median {summary['median_of_median_step_ratios']:.3f}, range "
+                  f"[{min(summary['median_step_ratios'], default=float('nan')):.3f}, "
+                  f"{max(summary['median_step_ratios'], default=float('nan')):.3f}]. "
                   f"Median step: A {summary['a']['median_step_time_s'] * 1e3:.1f} ms, "
                   f"B {summary['b']['median_step_time_s'] * 1e3:.1f} ms. Peak memory: A "
                   f"{summary['a']['peak_mem_gib']:.2f} GiB, B {summary['b']['peak_mem_gib']:.2f} GiB.",
@@ -170,14 +179,15 @@ def write(out: Path, meta: dict, pairs: list[dict], error: str | None = None) ->
 
 def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, run=None, meta: dict | None = None,
               common: list[str] = (), nproc: int | None = None, runs: Path | None = None) -> tuple[list[dict], str | None]:
-    """K pairs of runs, A then B each, each in `runs` (default out/runs); `run(variant_args, out_dir) -> dict`
+    """K pairs of runs, A then B in odd pairs and B then A in even ones, each in `runs` (default out/runs); `run(variant_args, out_dir) -> dict`
     (default: `launch`). Returns the finished pairs and the error that stopped the benchmark, if any."""
     run = run or (lambda variant, out_dir: launch(config, list(common), variant, out_dir, nproc))
     runs = runs or out / "runs"
     done = []
     for k in range(1, pairs + 1):
         try:
-            pair = {v: run(args, runs / f"pair{k}-{v.upper()}") for v, args in zip(VARIANTS, (a, b))}
+            order = zip(VARIANTS, (a, b)) if k % 2 else zip(VARIANTS[::-1], (b, a))
+            pair = {v: run(args, runs / f"pair{k}-{v.upper()}") for v, args in order}
         except RunFailed as e:
             return done, str(e)
         done.append(pair)

@@ -86,8 +86,21 @@ def summarize_trace(trace: dict) -> dict:
     result.update(norm_grad_kernels=len(comm), norm_grad_kernel_ms=sum(b - a for a, b in intervals) / 1e3,
                   norm_grad_exposed_ms=_exposed_us(intervals, compute) / 1e3,
                   all_reduce_kernels=len(all_reduces),
-                  all_reduce_kernel_ms=sum(e["dur"] for e in all_reduces) / 1e3)
+                  all_reduce_kernel_ms=sum(e["dur"] for e in all_reduces) / 1e3, **_step_time(events, kernels))
     return result
+
+
+def _step_time(events: list[dict], kernels: list[dict]) -> dict:
+    """Where the profiled step's time goes: the GPU's span and busy time (kernels of any stream, merged), and
+    the host time in norm ops (outermost CPU ops whose name has "norm": torch's aten ops and autograd nodes,
+    shardnorm's Functions and custom ops), forward and backward together."""
+    busy = _merged((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    cpu = [e for e in events if e.get("cat") == "cpu_op" or e.get("cat") == "python_function"]
+    norms = [e for e in cpu if "norm" in e["name"].lower()]
+    norms = [e for e in norms if not _inside(e, norms)]
+    return {"gpu_span_ms": (busy[-1][1] - busy[0][0]) / 1e3, "gpu_busy_ms": sum(b - a for a, b in busy) / 1e3,
+            "kernel_count": len(kernels), "norm_host_ms": sum(e["dur"] for e in norms) / 1e3,
+            "norm_host_ops": len(norms)}
 
 
 @contextmanager

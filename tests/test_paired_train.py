@@ -15,15 +15,18 @@ paired_train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(paired_train)
 
 
-def _fake_job(out_dir: Path, step_time_s: float, peak: float, losses: list[float]) -> None:
-    """What parallel/train.py leaves in its out_dir (metrics.py's files), timed steps 2..n."""
+def _fake_job(out_dir: Path, step_time_s: float, peak: float, losses: list[float], slow: float = 1.0) -> None:
+    """What parallel/train.py leaves in its out_dir (metrics.py's files), timed steps 2..n: each takes
+    `step_time_s` but the last, which takes `slow` times that, so the mean is not the median."""
     out_dir.mkdir(parents=True)
-    records = [{"step": i + 1, "loss": loss, "lr": 1e-3, "tokens": 1024, "tokens_per_s": 1024 / step_time_s,
-                "step_time_s": step_time_s, "peak_mem_gib": peak} for i, loss in enumerate(losses)]
+    times = [step_time_s] * (len(losses) - 1) + [step_time_s * slow]
+    records = [{"step": i + 1, "loss": loss, "lr": 1e-3, "tokens": 1024, "tokens_per_s": 1024 / t,
+                "step_time_s": t, "peak_mem_gib": peak} for i, (loss, t) in enumerate(zip(losses, times))]
+    mean = sum(times[1:]) / (len(times) - 1)
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (out_dir / "summary.json").write_text(json.dumps({
-        "norm": "x", "steps": len(losses), "timed_steps": len(losses) - 1, "tokens_per_s": 1024 / step_time_s,
-        "step_time_s": step_time_s, "peak_mem_gib": peak, "final_loss": losses[-1], "device": "cpu",
+        "norm": "x", "steps": len(losses), "timed_steps": len(losses) - 1, "tokens_per_s": 1024 / mean,
+        "step_time_s": mean, "peak_mem_gib": peak, "final_loss": losses[-1], "device": "cpu",
         "memory_kind": "host rss"}))
 
 
@@ -32,6 +35,7 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
     rng = random.Random(seed)
     k = 5
     times = {v: [rng.uniform(0.05, 0.2) for _ in range(k)] for v in "ab"}
+    slow = {v: [rng.uniform(1.5, 4.0) for _ in range(k)] for v in "ab"}
     peaks = {"a": rng.uniform(1, 2), "b": rng.uniform(1, 2)}
     base = [rng.uniform(2, 5) for _ in range(6)]
     drift = [rng.uniform(-1e-3, 1e-3) for _ in range(6)]
@@ -42,20 +46,27 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
         i = sum(1 for o in order if o[0] == v)
         order.append((v, out_dir.name))
         losses = [x * (1 + d) for x, d in zip(base, drift)] if v == "b" else base
-        _fake_job(out_dir, times[v][i], peaks[v], losses)
+        _fake_job(out_dir, times[v][i], peaks[v], losses, slow[v][i])
         return paired_train.read_run(out_dir)
 
     pairs, error = paired_train.run_pairs("cfg.toml", ["--norm", "torch"], ["--norm", "shardnorm"], k, tmp_path,
                                           run=run)
     assert error is None, f"seed {seed}"
-    assert order == [(v, f"pair{i}-{v.upper()}") for i in range(1, k + 1) for v in "ab"], f"run order: {order}"
+    assert order == [(v, f"pair{i}-{v.upper()}") for i in range(1, k + 1) for v in ("ab" if i % 2 else "ba")], \
+        f"run order: {order}"
     meta = {"config": "cfg.toml", "a": "--norm torch", "b": "--norm shardnorm", "common": "", "nproc": 2,
             "command": "benchmarks/paired_train.py cfg.toml ..."}
     summary = paired_train.write(tmp_path, meta, pairs)
-    ratios = [b / a for a, b in zip(times["a"], times["b"])]
+    n = len(base) - 1  # timed steps: the last one slow
+    means = {v: [t * (n - 1 + s) / n for t, s in zip(times[v], slow[v])] for v in "ab"}
+    ratios = [b / a for a, b in zip(means["a"], means["b"])]
+    median_step_ratios = [b / a for a, b in zip(times["a"], times["b"])]
     assert summary["ratios"] == pytest.approx(ratios, rel=1e-12), f"seed {seed}"
     assert summary["median_ratio"] == pytest.approx(statistics.median(ratios), rel=1e-12), f"seed {seed}"
     assert (summary["min_ratio"], summary["max_ratio"]) == pytest.approx((min(ratios), max(ratios)), rel=1e-12)
+    assert summary["median_step_ratios"] == pytest.approx(median_step_ratios, rel=1e-12), f"seed {seed}"
+    assert summary["median_of_median_step_ratios"] == pytest.approx(statistics.median(median_step_ratios),
+                                                                    rel=1e-12), f"seed {seed}"
     assert summary["a"]["peak_mem_gib"] == pytest.approx(peaks["a"]) and \
         summary["b"]["peak_mem_gib"] == pytest.approx(peaks["b"]), f"seed {seed}"
     assert summary["loss_max_rel_diff"] == pytest.approx(max(abs(d) for d in drift), rel=1e-9), f"seed {seed}"
@@ -81,7 +92,7 @@ def test_a_failed_run_stops_the_benchmark_and_keeps_the_finished_pairs(tmp_path)
 
     pairs, error = paired_train.run_pairs("cfg.toml", ["--norm", "torch"], ["--norm", "shardnorm"], 3, tmp_path,
                                           run=run)
-    assert calls == ["pair1-A", "pair1-B", "pair2-A", "pair2-B"]
+    assert calls == ["pair1-A", "pair1-B", "pair2-B"]
     assert len(pairs) == 1 and "summary.json is missing" in error
 
 
