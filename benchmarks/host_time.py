@@ -78,10 +78,10 @@ def profile_text(fn, calls: int = 200, top: int = 30) -> str:
     return text.getvalue()
 
 
-def write_profiles(out: str, label: str, fns: dict, names=None) -> None:
-    """OUT/profile/<label>-<provider>.txt for each provider in `names` (all by default)."""
+def write_profiles(out: str, label: str, fns: dict) -> None:
+    """OUT/profile/<label>-<provider>.txt for each provider in `fns`."""
     os.makedirs(os.path.join(out, "profile"), exist_ok=True)
-    for name in names or fns:
+    for name in fns:
         with open(os.path.join(out, "profile", f"{label}-{name}.txt"), "w") as f:
             f.write(profile_text(fns[name]))
 
@@ -133,10 +133,10 @@ def main():
             dy = torch.randn(m, n, device=device, dtype=dtype)
             fns = providers(rms, n, device, dtype)
             forward = host_us_interleaved({name: (lambda f=f: f(x)) for name, f in fns.items()})
-            backward = host_us_interleaved({name: (lambda f=f: f(x).backward(dy)) for name, f in fns.items()})
+            steps = {name: (lambda f=f: f(x).backward(dy)) for name, f in fns.items()}
+            backward = host_us_interleaved(steps)
             if args.profile:
-                write_profiles(args.out, f"{'rms' if rms else 'ln'}-{m}x{n}",
-                               {name: (lambda f=f: f(x).backward(dy)) for name, f in fns.items()})
+                write_profiles(args.out, f"{'rms' if rms else 'ln'}-{m}x{n}", steps)
             for name in fns:
                 rows.append({"norm": "rms" if rms else "ln", "m": m, "n": n, "provider": name,
                              "forward_us": forward[name], "forward_backward_us": backward[name]})

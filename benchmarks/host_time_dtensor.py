@@ -120,10 +120,10 @@ def main():
             fns, routed = providers(n, mesh, device, dtype, residual)
             with shardnorm.accumulate(routed):
                 forward = host_us_interleaved({name: (lambda f=f: f(x, r)) for name, f in fns.items()})
-                backward = host_us_interleaved({name: (lambda f=f: f(x, r).backward(dy)) for name, f in fns.items()})
+                steps = {name: (lambda f=f: f(x, r).backward(dy)) for name, f in fns.items()}
+                backward = host_us_interleaved(steps)
                 if args.profile and rank == 0:
-                    write_profiles(args.out, f"{'add_rms' if residual else 'rms'}-{b}x{s}x{n}",
-                                   {name: (lambda f=f: f(x, r).backward(dy)) for name, f in fns.items()})
+                    write_profiles(args.out, f"{'add_rms' if residual else 'rms'}-{b}x{s}x{n}", steps)
             for name in fns:
                 rows.append({"norm": "add_rms" if residual else "rms", "b": b, "s": s, "n": n,
                              "local_rows": b * s // world, "provider": name, "forward_us": forward[name],

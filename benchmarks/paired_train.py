@@ -115,11 +115,12 @@ def markdown(meta: dict, pairs: list[dict], summary: dict) -> str:
              f"run order A, B in odd pairs, B, A in even ones. Device: {meta.get('device')}.", "",
              f"Command: `{meta['command']}`", "",
              "| pair | A step ms | B step ms | B/A | B/A of median steps | A, B slowest/fastest step | A peak GiB |"
-             " B peak GiB | A final loss | B final loss | loss max rel diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             " B peak GiB | A final loss | B final loss | loss max rel diff |", "|---" * 11 + "|"]
     for i, (p, ratio, median) in enumerate(zip(pairs, summary["ratios"], summary["median_step_ratios"]), 1):
         q = loss_parity(p["a"]["losses"], p["b"]["losses"])
         lines.append(f"| {i} | {p['a']['step_time_s'] * 1e3:.1f} | {p['b']['step_time_s'] * 1e3:.1f} | {ratio:.3f} | "
-                     f"{median:.3f} | {_within(p['a'])}, {_within(p['b'])} | {p['a']['peak_mem_gib']:.2f} | {p['b']['peak_mem_gib']:.2f} | {p['a']['final_loss']:.4f} | "
+                     f"{median:.3f} | {_within(p['a'])}, {_within(p['b'])} | {p['a']['peak_mem_gib']:.2f} | "
+                     f"{p['b']['peak_mem_gib']:.2f} | {p['a']['final_loss']:.4f} | "
                      f"{p['b']['final_loss']:.4f} | {q['max_rel_diff']:.2e} |")
     lines += ["", f"Step time B/A: median **{summary['median_ratio']:.3f}**, range "
                   f"[{summary['min_ratio']:.3f}, {summary['max_ratio']:.3f}] over {summary['pairs']} pairs; of the "
@@ -179,8 +180,8 @@ def write(out: Path, meta: dict, pairs: list[dict], error: str | None = None) ->
 
 def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, run=None, meta: dict | None = None,
               common: list[str] = (), nproc: int | None = None, runs: Path | None = None) -> tuple[list[dict], str | None]:
-    """K pairs of runs, A then B in odd pairs and B then A in even ones, each in `runs` (default out/runs); `run(variant_args, out_dir) -> dict`
-    (default: `launch`). Returns the finished pairs and the error that stopped the benchmark, if any."""
+    """K pairs of runs, A then B in odd pairs and B then A in even ones, each in `runs` (default out/runs);
+    `run(variant_args, out_dir) -> dict` (default: `launch`). Returns the finished pairs and the error that stopped the benchmark, if any."""
     run = run or (lambda variant, out_dir: launch(config, list(common), variant, out_dir, nproc))
     runs = runs or out / "runs"
     done = []

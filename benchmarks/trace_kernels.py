@@ -15,8 +15,12 @@ import argparse
 import gzip
 import json
 import re
+import sys
 from collections import defaultdict
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the main job's parallel/
+from parallel.collectives import busy_ms  # noqa: E402
 
 HOST = ("cpu_op", "user_annotation")
 
@@ -26,22 +30,13 @@ def load(path: str, cats=("kernel",)) -> list[dict]:
         return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in cats]
 
 
-def _merged_ms(intervals) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total / 1e3
-
-
 def summary(kernels: list[dict]) -> dict:
     nccl = [k for k in kernels if "nccl" in k["name"].lower()]
     compute = [k for k in kernels if "nccl" not in k["name"].lower()]
     span = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / 1e3 if kernels else 0.0
     return {"kernels": len(kernels), "span_ms": span,
-            "busy_ms": _merged_ms((k["ts"], k["ts"] + k["dur"]) for k in kernels),
-            "compute_busy_ms": _merged_ms((k["ts"], k["ts"] + k["dur"]) for k in compute),
+            "busy_ms": busy_ms((k["ts"], k["ts"] + k["dur"]) for k in kernels),
+            "compute_busy_ms": busy_ms((k["ts"], k["ts"] + k["dur"]) for k in compute),
             "compute_kernel_ms": sum(k["dur"] for k in compute) / 1e3,
             "nccl_kernels": len(nccl), "nccl_kernel_ms": sum(k["dur"] for k in nccl) / 1e3}
 

@@ -53,6 +53,11 @@ def _merged(intervals):
     return merged
 
 
+def busy_ms(intervals) -> float:
+    """Milliseconds covered by at least one of the (start, end) intervals, in the trace's microseconds."""
+    return sum(end - start for start, end in _merged(intervals)) / 1e3
+
+
 def _exposed_us(comm, compute) -> float:
     busy = _merged(compute)
     return sum(end - start - sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
@@ -94,11 +99,12 @@ def _step_time(events: list[dict], kernels: list[dict]) -> dict:
     """Where the profiled step's time goes: the GPU's span and busy time (kernels of any stream, merged), and
     the host time in norm ops (outermost CPU ops whose name has "norm": torch's aten ops and autograd nodes,
     shardnorm's Functions and custom ops), forward and backward together."""
-    busy = _merged((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     cpu = [e for e in events if e.get("cat") == "cpu_op" or e.get("cat") == "python_function"]
     norms = [e for e in cpu if "norm" in e["name"].lower()]
     norms = [e for e in norms if not _inside(e, norms)]
-    return {"gpu_span_ms": (busy[-1][1] - busy[0][0]) / 1e3, "gpu_busy_ms": sum(b - a for a, b in busy) / 1e3,
+    return {"gpu_span_ms": (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e3,
+            "gpu_busy_ms": busy_ms(intervals),
             "kernel_count": len(kernels), "norm_host_ms": sum(e["dur"] for e in norms) / 1e3,
             "norm_host_ops": len(norms)}
 
