@@ -47,12 +47,21 @@ def read_run(out_dir: Path) -> dict:
         raise RunFailed(f"{summary_path} is missing: the run wrote no summary")
     summary = json.loads(summary_path.read_text())
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timed = [r["step_time_s"] for r in records if not r.get("profiled")][-(summary.get("timed_steps") or 0):]
+    timed_records = [r for r in records if not r.get("profiled")][-(summary.get("timed_steps") or 0):]
+    timed = [r["step_time_s"] for r in timed_records]
     return {"step_time_s": summary["step_time_s"], "tokens_per_s": summary["tokens_per_s"], "step_times_s": timed,
+            "host_ms": median_phases([r.get("host_ms") or {} for r in timed_records]),
             "median_step_s": statistics.median(timed) if timed else summary["step_time_s"],
             "peak_mem_gib": summary["peak_mem_gib"], "final_loss": summary["final_loss"],
             "timed_steps": summary.get("timed_steps"), "device": summary.get("device"),
             "memory_kind": summary.get("memory_kind"), "losses": [r["loss"] for r in records]}
+
+
+def median_phases(steps: list[dict]) -> dict:
+    """Per phase, the median of its host ms over `steps` (each step's `host_ms`; a phase some steps lack counts
+    0 there)."""
+    phases = list(dict.fromkeys(name for step in steps for name in step))
+    return {name: statistics.median(step.get(name, 0.0) for step in steps) for name in phases}
 
 
 def launch(config: str, common: list[str], variant: list[str], out_dir: Path, nproc: int | None) -> dict:
@@ -93,7 +102,8 @@ def summarize(pairs: list[dict]) -> dict:
         out[v] = {"median_step_time_s": statistics.median(r["step_time_s"] for r in runs) if runs else float("nan"),
                   "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs) if runs else float("nan"),
                   "peak_mem_gib": max((r["peak_mem_gib"] for r in runs), default=float("nan")),
-                  "final_losses": [r["final_loss"] for r in runs]}
+                  "final_losses": [r["final_loss"] for r in runs],
+                  "host_ms": median_phases([r.get("host_ms") or {} for r in runs])}
     # a variant's own runs should agree with each other (the job is seeded): how far they spread
     for v in VARIANTS:
         finals = out[v]["final_losses"]
@@ -134,7 +144,23 @@ def markdown(meta: dict, pairs: list[dict], summary: dict) -> str:
               f"{summary['loss_max_rel_diff']:.2e}, at the last step {summary['loss_final_rel_diff']:.2e}. "
               f"Spread of each variant's final loss over its runs: A {summary['a']['final_loss_spread']:.1e}, "
               f"B {summary['b']['final_loss_spread']:.1e}."]
+    lines += _phase_table(summary)
     return "\n".join(lines) + "\n"
+
+
+def _phase_table(summary: dict) -> list[str]:
+    """Host ms per step phase (the job's `host_ms`: each run's median step, then the median over runs)."""
+    a, b = summary["a"]["host_ms"], summary["b"]["host_ms"]
+    phases = list(dict.fromkeys([*a, *b]))
+    if not phases:
+        return []
+    lines = ["", "Host time per step phase, ms (each run's median over its timed steps, then the median over runs; "
+                 "read without synchronizing, so `gpu_wait` is the host waiting on the GPU at the step's end):", "",
+             "| phase | A | B | B - A |", "|---|---|---|---|"]
+    for name in phases:
+        x, y = a.get(name, 0.0), b.get(name, 0.0)
+        lines.append(f"| {name} | {x:.1f} | {y:.1f} | {y - x:+.1f} |")
+    return lines
 
 
 def plot(path: Path, meta: dict, pairs: list[dict], summary: dict) -> bool:

@@ -7,6 +7,7 @@ loss, AdamW and learning-rate schedule, so their losses are comparable step by s
 
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +40,21 @@ def build_optimizer(model: nn.Module, train: TrainConfig):
                                               milestones=[train.warmup_steps])
 
 
+class HostPhases:
+    """Host wall time of one step, per phase, in ms: read at the phase boundaries without synchronizing, so a
+    phase's time is what the host spent issuing its work. `gpu_wait` is the loss read that ends the step: near
+    zero when the host is the bottleneck, most of the step when the GPU is."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.ms[phase] = self.ms.get(phase, 0.0) + (now - self._last) * 1e3
+        self._last = now
+
+
 class TorchEngine:
     """Gradient accumulation without communication until the last micro-batch, then one step.
 
@@ -49,27 +65,38 @@ class TorchEngine:
     def __init__(self, model: nn.Module, train: TrainConfig, norm_reducer: bool = False):
         self.model, self.max_grad_norm, self.norm_reducer = model, train.max_grad_norm, norm_reducer
         self.optimizer, self.scheduler = build_optimizer(model, train)
+        self.host_ms: dict[str, float] = {}
 
     def _micro_batch(self, last: bool):
         """Neither FSDP (over dp) nor shardnorm's reducer (over tp) reduce before the last one."""
         return contextlib.nullcontext() if last else shardnorm.accumulate(self.model)
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step; `host_ms` then holds its host time per phase (`HostPhases`)."""
+        phases = HostPhases()
         total = 0.0
         for i, (inputs, targets) in enumerate(micro_batches):
             with self._micro_batch(last=i == len(micro_batches) - 1):
                 loss = cross_entropy(self.model(inputs), targets) / len(micro_batches)
+                phases.mark("forward")
                 loss.backward()
+                phases.mark("backward")
             total += loss.detach()
         if self.norm_reducer:
             shardnorm.finalize_grads(self.model)
+            phases.mark("finalize_grads")
         if self.max_grad_norm:
             with torch.profiler.record_function("clip_grad_norm"):  # parallel.collectives leaves it out
                 nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            phases.mark("clip_grad_norm")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(total)
+        phases.mark("optimizer")
+        total = float(total)
+        phases.mark("gpu_wait")
+        self.host_ms = phases.ms
+        return total
 
     @property
     def lr(self) -> float:
@@ -111,19 +138,28 @@ class DeepSpeedEngine:
         self.engine, self.optimizer, _, self.scheduler = shardnorm.integrations.deepspeed.initialize(
             model=model, config=config, optimizer=optimizer, lr_scheduler=scheduler)
         self.model = self.engine.module
+        self.host_ms: dict[str, float] = {}
         logger.info("DeepSpeed (ZeRO stage %d): %d shardnorm norms in the model",
                     self.engine.zero_optimization_stage(),
                     sum(isinstance(m, shardnorm.RMSNorm) for m in self.model.modules()))
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """DeepSpeed scales each micro-batch loss and steps at the accumulation boundary itself."""
+        """DeepSpeed scales each micro-batch loss and steps at the accumulation boundary itself; `host_ms` as
+        `TorchEngine.step`'s, its optimizer phase DeepSpeed's `engine.step()` (reductions, clipping included)."""
+        phases = HostPhases()
         total = 0.0
         for inputs, targets in micro_batches:
             loss = cross_entropy(self.engine(inputs), targets)
+            phases.mark("forward")
             self.engine.backward(loss)
+            phases.mark("backward")
             self.engine.step()
+            phases.mark("optimizer")
             total += loss.detach() / len(micro_batches)
-        return float(total)
+        total = float(total)
+        phases.mark("gpu_wait")
+        self.host_ms = phases.ms
+        return total
 
     @property
     def lr(self) -> float:

@@ -82,7 +82,8 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
             mean_loss = runtime.mean_over_ranks(loss)
         metrics.log_step({"step": step, "loss": mean_loss, "lr": lr,
                           "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / seconds,
-                          "step_time_s": seconds, "peak_mem_gib": runtime.peak_memory_gib(),
+                          "step_time_s": seconds, "host_ms": engine.host_ms,
+                          "peak_mem_gib": runtime.peak_memory_gib(),
                           **({"profiled": True} if profiled else {})})
         with phase(f"step {step}: saving a checkpoint"):
             checkpointer.after_step(step, engine, sampler)

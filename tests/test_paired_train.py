@@ -15,13 +15,17 @@ paired_train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(paired_train)
 
 
-def _fake_job(out_dir: Path, step_time_s: float, peak: float, losses: list[float], slow: float = 1.0) -> None:
+def _fake_job(out_dir: Path, step_time_s: float, peak: float, losses: list[float], slow: float = 1.0,
+              host_ms: list[dict] | None = None) -> None:
     """What parallel/train.py leaves in its out_dir (metrics.py's files), timed steps 2..n: each takes
-    `step_time_s` but the last, which takes `slow` times that, so the mean is not the median."""
+    `step_time_s` but the last, which takes `slow` times that, so the mean is not the median. `host_ms`: each
+    step's host time per phase."""
     out_dir.mkdir(parents=True)
     times = [step_time_s] * (len(losses) - 1) + [step_time_s * slow]
+    phases = host_ms or [{}] * len(losses)
     records = [{"step": i + 1, "loss": loss, "lr": 1e-3, "tokens": 1024, "tokens_per_s": 1024 / t,
-                "step_time_s": t, "peak_mem_gib": peak} for i, (loss, t) in enumerate(zip(losses, times))]
+                "step_time_s": t, "host_ms": ms, "peak_mem_gib": peak}
+               for i, (loss, t, ms) in enumerate(zip(losses, times, phases))]
     mean = sum(times[1:]) / (len(times) - 1)
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (out_dir / "summary.json").write_text(json.dumps({
@@ -39,6 +43,10 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
     peaks = {"a": rng.uniform(1, 2), "b": rng.uniform(1, 2)}
     base = [rng.uniform(2, 5) for _ in range(6)]
     drift = [rng.uniform(-1e-3, 1e-3) for _ in range(6)]
+    # per variant and run, each step's host ms per phase; B's runs also time a phase A's lack
+    host = {v: [[{"forward": rng.uniform(1, 9), "backward": rng.uniform(1, 9),
+                  **({"finalize_grads": rng.uniform(1, 9)} if v == "b" else {})} for _ in base] for _ in range(k)]
+            for v in "ab"}
     order = []
 
     def run(variant_args, out_dir):
@@ -46,7 +54,7 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
         i = sum(1 for o in order if o[0] == v)
         order.append((v, out_dir.name))
         losses = [x * (1 + d) for x, d in zip(base, drift)] if v == "b" else base
-        _fake_job(out_dir, times[v][i], peaks[v], losses, slow[v][i])
+        _fake_job(out_dir, times[v][i], peaks[v], losses, slow[v][i], host[v][i])
         return paired_train.read_run(out_dir)
 
     pairs, error = paired_train.run_pairs("cfg.toml", ["--norm", "torch"], ["--norm", "shardnorm"], k, tmp_path,
@@ -72,11 +80,17 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
     assert summary["loss_max_rel_diff"] == pytest.approx(max(abs(d) for d in drift), rel=1e-9), f"seed {seed}"
     assert summary["loss_final_rel_diff"] == pytest.approx(abs(drift[-1]), rel=1e-9), f"seed {seed}"
     assert summary["a"]["final_loss_spread"] == 0.0
+    for v in "ab":  # per run the median over its timed steps (the first is not timed), then over the runs
+        want = {phase: statistics.median(statistics.median(step[phase] for step in run[1:]) for run in host[v])
+                for phase in host[v][0][0]}
+        assert summary[v]["host_ms"] == pytest.approx(want, rel=1e-12), f"seed {seed}"
     saved = json.loads((tmp_path / "paired_train.json").read_text())
     assert saved["summary"]["median_ratio"] == pytest.approx(summary["median_ratio"]) and len(saved["pairs"]) == k
     table = (tmp_path / "paired_train.md").read_text()
     assert meta["command"] in table and f"{statistics.median(ratios):.3f}" in table
     assert sum(line.startswith("| ") and line[2].isdigit() for line in table.splitlines()) == k
+    finalize = summary["b"]["host_ms"]["finalize_grads"]
+    assert f"| finalize_grads | 0.0 | {finalize:.1f} | {finalize:+.1f} |" in table, f"seed {seed}"
 
 
 def test_a_failed_run_stops_the_benchmark_and_keeps_the_finished_pairs(tmp_path):
