@@ -7,8 +7,11 @@ one before and after), the median of ROUNDS rounds, the best of 3 such medians. 
 turns round by round, so a slow stretch of the shared CPU falls on all of them. Rows, forward and
 forward+backward (`y.backward(dy)`): shardnorm's module against torch's `nn.RMSNorm` / `nn.LayerNorm` module,
 shardnorm's functional call against torch's `F.rms_norm` / `F.layer_norm`, Liger's module where importable, and
-`torch.ops.shardnorm.norm_fwd` called directly (`shardnorm_custom_op`): the custom op's dispatch cost that eager
-calls avoid by taking `ops._NormFunction` (ops.py says why).
+shardnorm's autograd node taking the ops (`shardnorm_ops`: the way compiled graphs, dispatch modes and tensor
+subclasses reach the kernels, here in eager), what eager calls on plain tensors avoid by calling the launchers
+directly (ops.py says why); and both modules under `torch.compile(fullgraph=True)`
+(`*_module_compiled`): what a compiled graph pays per norm, shardnorm's ops against the norm Inductor
+generates (guards and the compiled-function wrappers, the same for both, included).
 Writes OUT_DIR/host_time.json and OUT_DIR/host_time.md.
 """
 
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import shardnorm
+from shardnorm import ops
 
 SHAPES = ((8, 4096), (8, 1024), (4096, 128))
 ROUNDS, CALLS = 7, 50
@@ -96,10 +100,12 @@ def providers(rms: bool, n: int, device, dtype):
     result = {
         "shardnorm_module": ours,
         "torch_module": theirs,
+        "shardnorm_module_compiled": torch.compile(ours, fullgraph=True),
+        "torch_module_compiled": torch.compile(theirs, fullgraph=True),
         "shardnorm_functional": (lambda x: shardnorm.rms_norm(x, (n,), w)) if rms else
         (lambda x: shardnorm.layer_norm(x, (n,), w, b)),
         "torch_functional": (lambda x: F.rms_norm(x, (n,), w)) if rms else (lambda x: F.layer_norm(x, (n,), w, b)),
-        "shardnorm_custom_op": lambda x: torch.ops.shardnorm.norm_fwd(x, w, b, None, 1e-6, rms, False)[0],
+        "shardnorm_ops": lambda x: ops._NormFunction.apply(x, w, b, None, 1e-6, rms, False, False),
     }
     try:
         if rms:

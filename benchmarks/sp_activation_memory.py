@@ -16,7 +16,7 @@ ratios and their range), the losses (shardnorm variants bitwise equal, torch wit
 weights' grads after the tp reduction against one fp32 process (torch reduces `Partial` grads in the params' dtype;
 shardnorm's reducer sums fp32 partials).
 Bytes on the CPU: every storage an op made during the forward, weakly held, counted if still alive after it (a
-dispatch mode: the norms take their custom-op route there); on a GPU: `torch.cuda.memory_allocated`.
+dispatch mode: the norms take their op route there); on a GPU: `torch.cuda.memory_allocated`.
 
     python benchmarks/sp_activation_memory.py --tp 2 4 8 --out DIR                    # CPU, gloo (accounting)
     python benchmarks/sp_activation_memory.py --device cuda --tp 2 --dim 2048 --layers 8 --ffn 5632 \\

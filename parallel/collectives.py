@@ -98,7 +98,7 @@ def summarize_trace(trace: dict) -> dict:
 def _step_time(events: list[dict], kernels: list[dict]) -> dict:
     """Where the profiled step's time goes: the GPU's span and busy time (kernels of any stream, merged), and
     the host time in norm ops (outermost CPU ops whose name has "norm": torch's aten ops and autograd nodes,
-    shardnorm's Functions and custom ops), forward and backward together."""
+    shardnorm's Functions and ops), forward and backward together."""
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     cpu = [e for e in events if e.get("cat") == "cpu_op" or e.get("cat") == "python_function"]
     norms = [e for e in cpu if "norm" in e["name"].lower()]

@@ -13,7 +13,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Inductor's caches of this test run only: its FX-graph cache keys a graph by the custom ops' names, not their
+# Inductor's caches of this test run only: its FX-graph cache keys a graph by the ops' names, not their
 # schemas, so a graph cached by an older shardnorm (another norm_bwd signature) would be replayed here.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="shardnorm-tests-inductor-"))
 # the launchers the tests start (launch/train.sh, launch/deepspeed.sh) run under the interpreter running the

@@ -4,9 +4,9 @@ under torch.compile: every grad equals the one without checkpointing, in a pre-n
 the residual form included.
 
 A policy sees the norm as one op, `torch.ops.shardnorm.norm_fwd.default`, in both modes: compiled, that is the op
-Dynamo traces; eager, a call made under a TorchDispatchMode (SAC's) takes the custom op rather than the
-autograd.Function over the kernels, so the policy decides for the norm as a whole and never sees the kernels'
-output allocations.
+in the graph Dynamo traces from the norm's autograd.Function; eager, a call made under a TorchDispatchMode (SAC's)
+reaches the kernels through that op rather than directly, so the policy decides for the norm as a whole and never
+sees the kernels' output allocations.
 """
 
 import functools

@@ -25,7 +25,10 @@ pytestmark = pytest.mark.distributed
 
 LAYERS, HIDDEN, MICRO_BATCHES, STEPS = 6, 16, 4, 2
 BUCKET_CAP_MB = 300 / 2**20  # two LayerNorms (2 x 32 fp32 values) per bucket: 3 buckets
-TOL = 1e-6
+# fp32 grads against one process: the rows' sums differ in order (per-rank partials, then the all-reduce), and a
+# grad of the first norm passes back through up to seven norms (six layers and the reused one), each of which can
+# amplify the rounding of its input grad: relative errors of 1e-6 occur with the GPU kernels
+TOL = 5e-6
 
 
 class NormStack(nn.Module):

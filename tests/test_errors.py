@@ -30,8 +30,8 @@ def test_device_mismatch():
         shardnorm.rms_norm(torch.randn(2, 8), 8, torch.ones(8, device="meta"))
 
 
-def test_custom_ops_check_devices(monkeypatch):
-    """The custom ops check every tensor's device against x's (src's): the kernels get raw addresses."""
+def test_ops_check_devices(monkeypatch):
+    """The ops check every tensor's device against x's (src's): the kernels get raw addresses."""
     from shardnorm import ops
 
     with pytest.raises(ValueError, match="shardnorm::norm_bwd: rstd is on meta but src is on cpu"):

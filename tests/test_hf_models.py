@@ -88,7 +88,7 @@ def test_convert_is_exact_on_hf_architecture(model_type, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_compiled_converted_decoder_matches_unconverted(arch):
-    """torch.compile of a converted decoder (the norms traced as shardnorm's custom ops; Gemma's 1 + weight): logits
+    """torch.compile of a converted decoder (the norms traced as shardnorm's ops; Gemma's 1 + weight): logits
     and every parameter grad equal the unconverted model's in eager, fp32. (Qwen3 compiled: test_hf_trainer.py.)"""
     reference = tiny_model(arch, seed=3)
     model = shardnorm.convert(copy.deepcopy(reference)).model

@@ -185,7 +185,7 @@ def test_trainer_deepspeed_section_and_fsdp(tmp_path):
 
 def test_trainer_torch_compile(tmp_path):
     """transformers' own Trainer with `torch_compile=True` after `enable(trainer)` (one process): the norms traced as
-    shardnorm's custom ops, its losses equal the eager Trainer's with the model's own norms (fp32, gradient
+    shardnorm's ops, its losses equal the eager Trainer's with the model's own norms (fp32, gradient
     accumulation 2, clipping)."""
     from shardnorm.integrations.transformers import enable
 

@@ -25,8 +25,8 @@ Tensor and placement kinds, told apart without importing torch.distributed where
   `DTensor`, a functional collective's pending result (`torch.distributed._functional_collectives.
   AsyncCollectiveTensor`), and `torch.distributed.tensor.placement_types._StridedShard` (on torch 2.11 a `Shard`
   whose `is_shard()` is true).
-Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then take the custom op,
-  so a mode such as selective activation checkpointing's sees the norm as one op).
+Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then reach the kernels
+  through the ops, so a mode such as selective activation checkpointing's sees the norm as one op).
 autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls after its Python checks
   (`function_apply`: the eager norm's host time).
 DTensor: `DTensorSpec` / `TensorMeta`, the `DTensor(local, spec, requires_grad=)` constructor and

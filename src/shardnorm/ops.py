@@ -1,22 +1,24 @@
 """The norm as one differentiable op over the kernels: `norm(x, weight, bias, residual, eps, rms, zero_centered)`.
 
-Two entry points share one forward, one saved state and one backward:
+One autograd node, `_NormFunction`, takes every call; its forward and backward reach the backend one of two ways:
 
-- eager calls: `_NormFunction`, an autograd.Function over the backend's launchers;
-- `torch.compile`: the custom ops `shardnorm::norm_fwd` / `norm_bwd` (fake impls, registered autograd), which
-  Dynamo traces without graph breaks.
+- directly (eager calls on plain tensors, no dispatch mode): the backend's launchers, no op dispatch;
+- through the ops `torch.ops.shardnorm.norm_fwd` / `norm_bwd` (everything else): Dynamo traces the Function with
+  the ops in its graphs, without graph breaks; a TorchDispatchMode sees the norm as one op (`shardnorm.norm_fwd`)
+  rather than the kernels' output allocations, so selective activation checkpointing's policy can save or
+  recompute it as a whole; a tensor subclass's dispatch unwraps its tensors.
 
-Why not the custom op everywhere: on an H100 machine an eager forward through it costs 84-89 us of host time
-against 31-36 us through the Function (`python benchmarks/host_time.py`: rows `shardnorm_custom_op` against
-`shardnorm_functional`), longer than the whole kernel at small shapes. Tensor subclasses other than a collective's
-pending result take the custom op, whose dispatch unwraps them; so do calls under a TorchDispatchMode, which then
-sees the norm as one op (`shardnorm.norm_fwd`) rather than the kernels' output allocations: selective activation
-checkpointing's policy can save or recompute it as a whole.
+The ops are plain `torch.library` definitions with a fake impl and no autograd of their own (the Function is their
+autograd): a compiled graph calls them through the dispatcher alone. Registered with `torch.library.custom_op`
+instead, every call would also run Python autograd, redispatch and alias-check layers: a compiled RMSNorm
+forward+backward (8 x 2048 bf16, 2-GPU H100 host) costs 384 us more than Inductor's norm that way, 216 us more this
+way (`benchmarks/host_time.py`, rows `*_module_compiled`; docs/performance.md). The direct way exists for host time too: an eager forward+backward
+through the ops costs 20-26 % more (rows `shardnorm_ops` against `shardnorm_functional`).
 
 `norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
 `norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)` work on 2-D [M, N]
 tensors whose last dim is contiguous. Absent outputs (z without a residual, mean for RMSNorm, dw/db without
-weight/bias) are None from the backends (kernels and reference) and empty tensors from the custom ops, whose schema
+weight/bias) are None from the backends (kernels and reference) and empty tensors from the ops, whose schema
 returns Tensors. dw/db come in the weight's dtype: the kernel's fp32 partial sums, reduced in fp32 in a fixed order,
 rounded once.
 
@@ -31,6 +33,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import _torch_compat, reference, settings
 
@@ -51,12 +54,12 @@ def _kernels():
 
 
 def _present(outputs: tuple, like: Tensor) -> tuple:
-    """Absent outputs (None) as empty tensors: a custom op's schema returns Tensors."""
+    """Absent outputs (None) as empty tensors: the ops' schemas return Tensors."""
     return tuple(like.new_empty(0) if t is None else t for t in outputs)
 
 
 def _check_devices(op: str, anchor: str, like: Tensor, **tensors: Optional[Tensor]) -> None:
-    """Every tensor of a custom-op call on `like`'s device: the kernels get raw addresses and would read another
+    """Every tensor of an op call on `like`'s device: the kernels get raw addresses and would read another
     device's (or host) memory as their own. The eager path's tensors are checked by `functional._check` and, in a
     backward, by the autograd engine; the ops may be called with anything."""
     device = like.device
@@ -99,16 +102,32 @@ def _input_grads(ctx, dy, dz, run_bwd):
             dx if has_residual else None, None, None, None)
 
 
-# ---- torch.compile: the custom ops ---------------------------------------------------------------------------
+# ---- the ops: what torch.compile, dispatch modes and tensor subclasses see ----------------------------------------
 
-@torch.library.custom_op("shardnorm::norm_fwd", mutates_args=())
-def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-             eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+_LIBRARY = torch.library.Library("shardnorm", "DEF")
+_LIBRARY.define("norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool rms, "
+                "bool zero_centered) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIBRARY.define("norm_bwd(Tensor dy, Tensor? dz, Tensor src, Tensor? weight, Tensor? mean, Tensor rstd, "
+                "bool has_bias, bool rms, bool zero_centered) -> (Tensor, Tensor, Tensor)")
+
+
+def _norm_fwd_impl(x, weight, bias, residual, eps, rms, zero_centered):
     _check_devices("norm_fwd", "x", x, weight=weight, bias=bias, residual=residual)
     return _present(_forward(x, weight, bias, residual, eps, rms, zero_centered), x)
 
 
-@norm_fwd.register_fake
+def _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
+    _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd)
+    return _present(_backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
+
+
+_LIBRARY.impl("norm_fwd", _norm_fwd_impl, "CompositeExplicitAutograd")
+_LIBRARY.impl("norm_bwd", _norm_bwd_impl, "CompositeExplicitAutograd")
+norm_fwd = torch.ops.shardnorm.norm_fwd.default
+norm_bwd = torch.ops.shardnorm.norm_bwd.default
+
+
+@torch.library.register_fake("shardnorm::norm_fwd", lib=_LIBRARY)
 def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
     M, N = x.shape
     z = x.new_empty((M, N), dtype=torch.result_type(x, residual)) if residual is not None else x.new_empty(0)
@@ -116,14 +135,7 @@ def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
     return x.new_empty((M, N)), z, stats(0 if rms else M), stats(M)
 
 
-@torch.library.custom_op("shardnorm::norm_bwd", mutates_args=())
-def norm_bwd(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
-             rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor]:
-    _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd)
-    return _present(_backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
-
-
-@norm_bwd.register_fake
+@torch.library.register_fake("shardnorm::norm_bwd", lib=_LIBRARY)
 def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
     N = src.shape[1]
     dtype = weight.dtype if weight is not None else torch.float32
@@ -131,15 +143,7 @@ def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered
     return src.new_empty(src.shape), grad(weight is not None), grad(has_bias)
 
 
-def _setup_context(ctx, inputs, output):
-    _save(ctx, *inputs, output)
-
-
-torch.library.register_autograd("shardnorm::norm_fwd", lambda ctx, dy, dz, *_: _input_grads(ctx, dy, dz, norm_bwd),
-                                setup_context=_setup_context)
-
-
-# ---- eager: the autograd.Function ----------------------------------------------------------------------------
+# ---- the autograd.Function ---------------------------------------------------------------------------------------
 
 _PLAIN = (Tensor, torch.nn.Parameter, type(None))
 _is_pending = _torch_compat.is_pending_collective
@@ -159,24 +163,28 @@ def _eager_ok(*tensors) -> bool:
 
 
 class _NormFunction(torch.autograd.Function):
-    """Eager calls: the forward and backward above without the custom op's dispatch. Returns y, or (y, z) with a
-    residual; the statistics stay in ctx."""
+    """The norm's one autograd node. `direct`: the call runs the backend's launchers itself (eager, plain tensors,
+    no dispatch mode); otherwise its forward and backward call the ops, which Dynamo traces into the graph and a
+    dispatch mode or tensor subclass sees. Returns y, or (y, z) with a residual; the statistics stay in ctx."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, rms, zero_centered):
-        x, residual = _ready(x), _ready(residual)
-        output = _forward(x, weight, bias, residual, eps, rms, zero_centered)
+    def forward(ctx, x, weight, bias, residual, eps, rms, zero_centered, direct):
+        if direct:
+            x, residual = _ready(x), _ready(residual)
+            output = _forward(x, weight, bias, residual, eps, rms, zero_centered)
+        else:
+            output = norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
         _save(ctx, x, weight, bias, residual, eps, rms, zero_centered, output)
+        ctx.direct = direct
         return output[0] if residual is None else output[:2]
 
     @staticmethod
     def backward(ctx, dy, dz=None):
-        dy, dz = _ready(dy), _ready(dz)
-        return _input_grads(ctx, dy, dz, _backward_kernels if _eager_ok(dy, dz) else norm_bwd)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(_unsupported("forward-mode AD (torch.autograd.forward_ad dual tensors)"))
+        direct = ctx.direct
+        if direct:
+            dy, dz = _ready(dy), _ready(dz)
+            direct = _eager_ok(dy, dz)
+        return _input_grads(ctx, dy, dz, _backward_kernels if direct else norm_bwd) + (None,)
 
 
 _INSTEAD = ("Use torch.nn.functional.layer_norm / rms_norm (or torch.nn.LayerNorm / RMSNorm) where you need it; "
@@ -188,11 +196,14 @@ def _unsupported(what: str) -> str:
             f"rules. {_INSTEAD}")
 
 
-def _transform_error(error: Exception) -> Exception:
-    """The error to raise for `error` from a norm call: a clear one when a torch.func transform is running (torch's
-    own says "must override setup_context" or names no transform), else `error` itself."""
+def _transform_error(error: Exception, *tensors) -> Exception:
+    """The error to raise for `error` from a norm call on `tensors`: a clear one when a torch.func transform is
+    running or an input is a forward-mode AD dual tensor (torch's own says "must override setup_context", "must
+    implement the jvp function", or names no transform), else `error` itself."""
     transform = _torch_compat.innermost_functorch_transform()
     if transform is None:
+        if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+            return NotImplementedError(_unsupported("forward-mode AD (torch.autograd.forward_ad dual tensors)"))
         return error
     what = {"Vmap": "torch.func.vmap", "Grad": "torch.func.grad / vjp / jacrev",
             "Jvp": "torch.func.jvp / jacfwd (forward-mode AD)"}.get(transform, f"torch.func's {transform} transform")
@@ -205,13 +216,12 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
     eps = float(eps)
     try:
         if not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) and not _dispatch_modes_active():
-            if residual is None:
-                return _apply(x, weight, bias, None, eps, rms, zero_centered), None
-            return _apply(x, weight, bias, residual, eps, rms, zero_centered)
-        y, z, _, _ = norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+            out = _apply(x, weight, bias, residual, eps, rms, zero_centered, True)
+        else:
+            out = _NormFunction.apply(x, weight, bias, residual, eps, rms, zero_centered, False)
     except (RuntimeError, NotImplementedError) as e:  # a try costs nothing until it catches
-        raise _transform_error(e) from e
-    return y, (z if residual is not None else None)
+        raise _transform_error(e, x, weight, bias, residual) from e
+    return (out, None) if residual is None else out
 
 
 def recompute_output(src: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, rms: bool,

@@ -236,7 +236,7 @@ class _BwdPlan:
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
         num_grads = self.num_grads
         partial_rows, dx_tiles, direct = config.per_m(self.grids, M, self._grid)
-        # dgamma, dbeta: separate tensors (custom-op outputs may not alias)
+        # dgamma, dbeta: separate tensors (an op's outputs may not alias)
         dweight = torch.empty(N, dtype=self.grad_dtype, device=device) if weight is not None else None
         dbias = torch.empty(N, dtype=self.grad_dtype, device=device) if self.has_bias else None
         partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) \
