@@ -55,6 +55,11 @@ def test_default_config_trains_and_matches_single_process(tmp_path):
     assert summary["final_loss"] == last
     assert summary["tokens_per_s"] > 0 and summary["step_time_s"] > 0
     assert summary["peak_mem_gib"] > 0
+    # each step's host time per phase (tp=2 with shardnorm: the reducer's finalize_grads), inside the step's time
+    for r in records:
+        phases = r["host_ms"]
+        assert set(phases) == {"forward", "backward", "finalize_grads", "clip_grad_norm", "optimizer", "gpu_wait"}
+        assert min(phases.values()) >= 0 and sum(phases.values()) <= r["step_time_s"] * 1e3, r
     # the profiled step: all sequence-parallel norm grads in one bucket, one all-reduce; left out of timing
     assert (summary["profiled_step"], summary["norm_grad_all_reduces"]) == (3, 1)
     timing_skip = train.get("timing_skip", TrainConfig.timing_skip)
