@@ -111,12 +111,24 @@ _LIBRARY.define("norm_bwd(Tensor dy, Tensor? dz, Tensor src, Tensor? weight, Ten
                 "bool has_bias, bool rms, bool zero_centered) -> (Tensor, Tensor, Tensor)")
 
 
+def _refuse_grad(op: str, *tensors: Optional[Tensor]) -> None:
+    """The ops have no autograd of their own: a call that autograd would record (grad mode on, an input requiring
+    grad) gets an error rather than outputs whose grads would be silently missing. The Function calls them with
+    grad mode off, as compiled graphs do."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(f"shardnorm::{op} has no autograd of its own: for grads call shardnorm's norms (the "
+                           "modules, shardnorm.layer_norm / rms_norm, shardnorm.ops.norm), whose autograd.Function "
+                           "calls it, or call it under torch.no_grad()")
+
+
 def _norm_fwd_impl(x, weight, bias, residual, eps, rms, zero_centered):
+    _refuse_grad("norm_fwd", x, weight, bias, residual)
     _check_devices("norm_fwd", "x", x, weight=weight, bias=bias, residual=residual)
     return _present(_forward(x, weight, bias, residual, eps, rms, zero_centered), x)
 
 
 def _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
+    _refuse_grad("norm_bwd", dy, dz, src, weight, mean, rstd)
     _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd)
     return _present(_backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
 
