@@ -416,6 +416,22 @@ def test_option_toggles_hooks_and_repr():
     assert list(state) == ["weight"]  # the option is not state
 
 
+def test_torch_func_runs_other_modules_while_an_option_is_off():
+    """While a norm with keep_output=False exists, its module-call hooks see every module: under torch.func.grad and
+    vjp (which refuse saved-tensors hooks) they push none, so modules without shardnorm's norms are differentiated
+    as without shardnorm, and a norm under the transform raises shardnorm's own error."""
+    discarding = shardnorm.RMSNorm(H, keep_output=False)
+    assert output_recompute.hooks_installed()
+    torch.manual_seed(7)
+    linear = torch.nn.Linear(H, H)
+    x = torch.randn(3, H)
+    got = torch.func.grad(lambda t: torch.tanh(linear(t)).sum())(x)
+    want = torch.autograd.functional.vjp(lambda t: torch.tanh(linear(t)).sum(), x)[1]
+    assert torch.allclose(got, want, rtol=1e-6, atol=0)
+    with pytest.raises(NotImplementedError, match="torch.func.grad"):
+        torch.func.grad(lambda t: discarding(t).sum())(x)
+
+
 def _compiled_step(keep: bool, residual_form: bool, backend: str):
     """One compiled forward + backward of a 1-layer Stack: (grads, bytes the compiled graph saved for backward)."""
     torch.manual_seed(6)

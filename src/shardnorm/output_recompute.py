@@ -147,8 +147,11 @@ def _enter(module, args) -> None:
     if scope.depth > 1:
         return
     scope.root_frame = sys._getframe(1)
+    # not under a torch.func transform: its grad and vjp refuse saved-tensors hooks for every module they run,
+    # shardnorm's or not (a norm itself raises its own error there)
     if torch.is_grad_enabled() and not _torch_compat.saved_tensors_hooks_active() \
-            and _torch_compat.current_graph_task_id() == -1 and not _torch_compat.is_compiled_module(module):
+            and _torch_compat.current_graph_task_id() == -1 and not _torch_compat.is_compiled_module(module) \
+            and not _torch_compat.functorch_transforms_active():
         scope.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
         scope.hooks.__enter__()
 
