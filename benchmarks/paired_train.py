@@ -205,9 +205,11 @@ def write(out: Path, meta: dict, pairs: list[dict], error: str | None = None) ->
 
 
 def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, run=None, meta: dict | None = None,
-              common: list[str] = (), nproc: int | None = None, runs: Path | None = None) -> tuple[list[dict], str | None]:
+              common: list[str] = (), nproc: int | None = None,
+              runs: Path | None = None) -> tuple[list[dict], str | None]:
     """K pairs of runs, A then B in odd pairs and B then A in even ones, each in `runs` (default out/runs);
-    `run(variant_args, out_dir) -> dict` (default: `launch`). Returns the finished pairs and the error that stopped the benchmark, if any."""
+    `run(variant_args, out_dir) -> dict` (default: `launch`). Returns the finished pairs and the error that
+    stopped the benchmark, if any."""
     run = run or (lambda variant, out_dir: launch(config, list(common), variant, out_dir, nproc))
     runs = runs or out / "runs"
     done = []

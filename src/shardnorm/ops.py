@@ -12,8 +12,9 @@ The ops are plain `torch.library` definitions with a fake impl and no autograd o
 autograd): a compiled graph calls them through the dispatcher alone. Registered with `torch.library.custom_op`
 instead, every call would also run Python autograd, redispatch and alias-check layers: a compiled RMSNorm
 forward+backward (8 x 2048 bf16, 2-GPU H100 host) costs 384 us more than Inductor's norm that way, 216 us more this
-way (`benchmarks/host_time.py`, rows `*_module_compiled`; docs/performance.md). The direct way exists for host time too: an eager forward+backward
-through the ops costs 20-26 % more (rows `shardnorm_ops` against `shardnorm_functional`).
+way (`benchmarks/host_time.py`, rows `*_module_compiled`; docs/performance.md). The direct way exists for host
+time too: an eager forward+backward through the ops costs 20-26 % more (rows `shardnorm_ops` against
+`shardnorm_functional`).
 
 `norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
 `norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)` work on 2-D [M, N]
