@@ -36,8 +36,9 @@ SMALL = ["model.dim=48", "model.n_layers=2", "model.n_heads=4", "model.n_kv_head
 
 
 def env() -> dict:
+    """A world of 2 for launch/train.sh on any host (its default is one process per visible GPU)."""
     return {k: v for k, v in os.environ.items()
-            if k not in ("SHARDNORM_BACKEND", "TRITON_INTERPRET", "NPROC")}
+            if k not in ("SHARDNORM_BACKEND", "TRITON_INTERPRET")} | {"NPROC": "2"}
 
 
 def job_args(tmp: Path, *extra: str) -> list[str]:

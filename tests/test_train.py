@@ -22,9 +22,10 @@ TINY = "configs/tiny_cpu.toml"
 
 
 def launch(script: str, *args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
-    # the launcher picks devices and backends itself (conftest sets TRITON_INTERPRET for kernels)
+    # the launcher picks devices and backends itself (conftest sets TRITON_INTERPRET for kernels); a world of 2,
+    # which the tests' layouts assume, on any host (the launcher's default is one process per visible GPU)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("SHARDNORM_BACKEND", "TRITON_INTERPRET", "NPROC")} | env_vars
+           if k not in ("SHARDNORM_BACKEND", "TRITON_INTERPRET")} | {"NPROC": "2"} | env_vars
     return subprocess.run(["bash", f"launch/{script}", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
@@ -132,7 +133,7 @@ def test_overrides_and_flags_apply():
 
 
 def test_launcher_rejects_bad_config_before_starting():
-    result = launch("train.sh", TINY, "parallel.dp=2", timeout=60, NPROC="2")  # any host: a world of 2
+    result = launch("train.sh", TINY, "parallel.dp=2", timeout=60)
     assert result.returncode != 0
     assert "config error: parallel.dp × parallel.tp" in result.stderr
     assert "step" not in result.stdout
