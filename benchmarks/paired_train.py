@@ -104,11 +104,16 @@ def summarize(pairs: list[dict]) -> dict:
                   "peak_mem_gib": max((r["peak_mem_gib"] for r in runs), default=float("nan")),
                   "final_losses": [r["final_loss"] for r in runs],
                   "host_ms": median_phases([r.get("host_ms") or {} for r in runs])}
-    # a variant's own runs should agree with each other (the job is seeded): how far they spread
+    # a variant's own runs should agree with each other (the job is seeded): how far they spread, at the end and at
+    # any step (the scale against which B-against-A parity is read: kernels or collectives that are not
+    # deterministic, and training's amplification of their rounding, move both variants' losses)
     for v in VARIANTS:
         finals = out[v]["final_losses"]
         out[v]["final_loss_spread"] = (max(finals) - min(finals)) / abs(finals[0]) if len(finals) > 1 and finals[0] \
             else 0.0
+        runs = [p[v]["losses"] for p in pairs]
+        out[v]["run_to_run_max_rel_diff"] = max((loss_parity(x, y)["max_rel_diff"] for i, x in enumerate(runs)
+                                                 for y in runs[i + 1:]), default=0.0)
     return out
 
 
@@ -143,7 +148,9 @@ def markdown(meta: dict, pairs: list[dict], summary: dict) -> str:
               f"Loss parity (B against A, same pair, every step): max relative difference "
               f"{summary['loss_max_rel_diff']:.2e}, at the last step {summary['loss_final_rel_diff']:.2e}. "
               f"Spread of each variant's final loss over its runs: A {summary['a']['final_loss_spread']:.1e}, "
-              f"B {summary['b']['final_loss_spread']:.1e}."]
+              f"B {summary['b']['final_loss_spread']:.1e}; largest step-by-step relative difference between two "
+              f"runs of one variant: A {summary['a']['run_to_run_max_rel_diff']:.2e}, "
+              f"B {summary['b']['run_to_run_max_rel_diff']:.2e}."]
     lines += _phase_table(summary)
     return "\n".join(lines) + "\n"
 

@@ -43,6 +43,10 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
     peaks = {"a": rng.uniform(1, 2), "b": rng.uniform(1, 2)}
     base = [rng.uniform(2, 5) for _ in range(6)]
     drift = [rng.uniform(-1e-3, 1e-3) for _ in range(6)]
+    # B's runs also differ from each other, step by step (A's are identical): the run-to-run scale
+    jitter = [[rng.uniform(-1e-4, 1e-4) for _ in base] for _ in range(k)]
+    losses_of = {"a": [base] * k,
+                 "b": [[x * (1 + d) * (1 + j) for x, d, j in zip(base, drift, jit)] for jit in jitter]}
     # per variant and run, each step's host ms per phase; B's runs also time a phase A's lack
     host = {v: [[{"forward": rng.uniform(1, 9), "backward": rng.uniform(1, 9),
                   **({"finalize_grads": rng.uniform(1, 9)} if v == "b" else {})} for _ in base] for _ in range(k)]
@@ -53,8 +57,7 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
         v = {("--norm", "torch"): "a", ("--norm", "shardnorm"): "b"}[tuple(variant_args)]
         i = sum(1 for o in order if o[0] == v)
         order.append((v, out_dir.name))
-        losses = [x * (1 + d) for x, d in zip(base, drift)] if v == "b" else base
-        _fake_job(out_dir, times[v][i], peaks[v], losses, slow[v][i], host[v][i])
+        _fake_job(out_dir, times[v][i], peaks[v], losses_of[v][i], slow[v][i], host[v][i])
         return paired_train.read_run(out_dir)
 
     pairs, error = paired_train.run_pairs("cfg.toml", ["--norm", "torch"], ["--norm", "shardnorm"], k, tmp_path,
@@ -77,9 +80,15 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
                                                                     rel=1e-12), f"seed {seed}"
     assert summary["a"]["peak_mem_gib"] == pytest.approx(peaks["a"]) and \
         summary["b"]["peak_mem_gib"] == pytest.approx(peaks["b"]), f"seed {seed}"
-    assert summary["loss_max_rel_diff"] == pytest.approx(max(abs(d) for d in drift), rel=1e-9), f"seed {seed}"
-    assert summary["loss_final_rel_diff"] == pytest.approx(abs(drift[-1]), rel=1e-9), f"seed {seed}"
-    assert summary["a"]["final_loss_spread"] == 0.0
+    parity = [[abs(y / x - 1) for x, y in zip(base, run)] for run in losses_of["b"]]
+    assert summary["loss_max_rel_diff"] == pytest.approx(max(map(max, parity)), rel=1e-9), f"seed {seed}"
+    assert summary["loss_final_rel_diff"] == pytest.approx(max(q[-1] for q in parity), rel=1e-9), f"seed {seed}"
+    assert summary["a"]["final_loss_spread"] == 0.0 and summary["a"]["run_to_run_max_rel_diff"] == 0.0
+    b_runs = losses_of["b"]
+    b_spread = max(abs(y - x) / abs(x) for i in range(k) for j in range(i + 1, k)
+                   for x, y in zip(b_runs[i], b_runs[j]))
+    assert summary["b"]["run_to_run_max_rel_diff"] == pytest.approx(b_spread, rel=1e-9) and b_spread > 0, \
+        f"seed {seed}"
     for v in "ab":  # per run the median over its timed steps (the first is not timed), then over the runs
         want = {phase: statistics.median(statistics.median(step[phase] for step in run[1:]) for run in host[v])
                 for phase in host[v][0][0]}
@@ -88,6 +97,7 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
     assert saved["summary"]["median_ratio"] == pytest.approx(summary["median_ratio"]) and len(saved["pairs"]) == k
     table = (tmp_path / "paired_train.md").read_text()
     assert meta["command"] in table and f"{statistics.median(ratios):.3f}" in table
+    assert f"runs of one variant: A 0.00e+00, B {b_spread:.2e}." in table, f"seed {seed}"
     assert sum(line.startswith("| ") and line[2].isdigit() for line in table.splitlines()) == k
     finalize = summary["b"]["host_ms"]["finalize_grads"]
     assert f"| finalize_grads | 0.0 | {finalize:.1f} | {finalize:+.1f} |" in table, f"seed {seed}"
