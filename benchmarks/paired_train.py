@@ -10,7 +10,8 @@ Per run the job's summary.json and metrics.jsonl (parallel/metrics.py) give the 
 steps), the median timed step and how those steps spread (slowest over fastest), tokens/s, peak memory and the
 losses. Per pair: the step-time ratio B/A, of the means and of the median steps (a few slow steps move the mean,
 not the median). Over the pairs: the median of each ratio and its range (min, max), the peak memory of each
-variant, and loss parity (B's loss against A's of the same pair, step by step, relative). Writes
+variant, loss parity (B's loss against A's of the same pair, step by step, relative) and, to read it against, each
+variant's run-to-run spread (the same between two runs of one variant, the largest over its runs). Writes
 DIR/paired_train.json, DIR/paired_train.md (with the command) and, where matplotlib is installed,
 DIR/paired_train.png; prints the table. Each run's log is DIR/runs/pairK-X.log. A failed run stops the
 benchmark (exit 1) with what was measured so far written. Whole-run speed claims about the main job are quoted
