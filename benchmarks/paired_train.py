@@ -100,21 +100,21 @@ def summarize(pairs: list[dict]) -> dict:
            "loss_final_rel_diff": max((q["final_rel_diff"] for q in parity), default=float("nan"))}
     for v in VARIANTS:
         runs = [p[v] for p in pairs]
+        finals = [r["final_loss"] for r in runs]
+        losses = [r["losses"] for r in runs]
         out[v] = {"median_step_time_s": statistics.median(r["step_time_s"] for r in runs) if runs else float("nan"),
                   "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs) if runs else float("nan"),
                   "peak_mem_gib": max((r["peak_mem_gib"] for r in runs), default=float("nan")),
-                  "final_losses": [r["final_loss"] for r in runs],
-                  "host_ms": median_phases([r.get("host_ms") or {} for r in runs])}
-    # a variant's own runs should agree with each other (the job is seeded): how far they spread, at the end and at
-    # any step (the scale against which B-against-A parity is read: kernels or collectives that are not
-    # deterministic, and training's amplification of their rounding, move both variants' losses)
-    for v in VARIANTS:
-        finals = out[v]["final_losses"]
-        out[v]["final_loss_spread"] = (max(finals) - min(finals)) / abs(finals[0]) if len(finals) > 1 and finals[0] \
-            else 0.0
-        runs = [p[v]["losses"] for p in pairs]
-        out[v]["run_to_run_max_rel_diff"] = max((loss_parity(x, y)["max_rel_diff"] for i, x in enumerate(runs)
-                                                 for y in runs[i + 1:]), default=0.0)
+                  "final_losses": finals,
+                  "host_ms": median_phases([r.get("host_ms") or {} for r in runs]),
+                  # a variant's own runs should agree with each other (the job is seeded): how far they spread, at
+                  # the end and at any step (the scale against which B-against-A parity is read: kernels or
+                  # collectives that are not deterministic, and training's amplification of their rounding, move
+                  # both variants' losses)
+                  "final_loss_spread": (max(finals) - min(finals)) / abs(finals[0])
+                  if len(finals) > 1 and finals[0] else 0.0,
+                  "run_to_run_max_rel_diff": max((loss_parity(x, y)["max_rel_diff"] for i, x in enumerate(losses)
+                                                  for y in losses[i + 1:]), default=0.0)}
     return out
 
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the main job's parallel/
-from parallel.collectives import busy_ms  # noqa: E402
+from parallel.collectives import busy_ms, span_ms  # noqa: E402
 
 HOST = ("cpu_op", "user_annotation")
 
@@ -33,9 +33,8 @@ def load(path: str, cats=("kernel",)) -> list[dict]:
 def summary(kernels: list[dict]) -> dict:
     nccl = [k for k in kernels if "nccl" in k["name"].lower()]
     compute = [k for k in kernels if "nccl" not in k["name"].lower()]
-    span = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / 1e3 if kernels else 0.0
-    return {"kernels": len(kernels), "span_ms": span,
-            "busy_ms": busy_ms((k["ts"], k["ts"] + k["dur"]) for k in kernels),
+    intervals = [(k["ts"], k["ts"] + k["dur"]) for k in kernels]
+    return {"kernels": len(kernels), "span_ms": span_ms(intervals), "busy_ms": busy_ms(intervals),
             "compute_busy_ms": busy_ms((k["ts"], k["ts"] + k["dur"]) for k in compute),
             "compute_kernel_ms": sum(k["dur"] for k in compute) / 1e3,
             "nccl_kernels": len(nccl), "nccl_kernel_ms": sum(k["dur"] for k in nccl) / 1e3}

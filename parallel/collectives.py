@@ -58,6 +58,12 @@ def busy_ms(intervals) -> float:
     return sum(end - start for start, end in _merged(intervals)) / 1e3
 
 
+def span_ms(intervals) -> float:
+    """Milliseconds from the first interval's start to the last one's end (0 for none)."""
+    intervals = list(intervals)
+    return (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e3 if intervals else 0.0
+
+
 def _exposed_us(comm, compute) -> float:
     busy = _merged(compute)
     return sum(end - start - sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
@@ -103,7 +109,7 @@ def _step_time(events: list[dict], kernels: list[dict]) -> dict:
     cpu = [e for e in events if e.get("cat") == "cpu_op" or e.get("cat") == "python_function"]
     norms = [e for e in cpu if "norm" in e["name"].lower()]
     norms = [e for e in norms if not _inside(e, norms)]
-    return {"gpu_span_ms": (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e3,
+    return {"gpu_span_ms": span_ms(intervals),
             "gpu_busy_ms": busy_ms(intervals),
             "kernel_count": len(kernels), "norm_host_ms": sum(e["dur"] for e in norms) / 1e3,
             "norm_host_ops": len(norms)}
