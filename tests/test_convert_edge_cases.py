@@ -2,6 +2,7 @@
 `zero_centered_gamma`'s weight - 1 rounds, errors that must leave the model as it was, torch.func transforms,
 meta tensors, and the log/warnings that say what happened."""
 
+import copy
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ from torch import nn
 
 import shardnorm
 import shardnorm.integrations.deepspeed as sd
-from shardnorm.conversion import NormWrapperError
+from shardnorm.conversion import NormWrapperError, convert_module
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -66,6 +67,131 @@ def test_zero_centered_gamma_keeps_the_function_bitwise(dtype):
     assert torch.equal(y_plain, y_zc)
     assert all(torch.equal(a, b) for a, b in zip(grads_plain, grads_zc))
 
+
+
+class GemmaRMSNorm(nn.Module):
+    """A model's own copy of Gemma's norm (matched by class name): scale 1 + weight, stored weight unchanged."""
+
+    def __init__(self, n: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class TiedNorms(nn.Module):
+    """Norms between two Linears, `b` sharing `a`'s weight Parameter (tied, as in weight-shared blocks);
+    `alias`: `b` also registered as `c`, so one Parameter is reached through two modules and three names."""
+
+    def __init__(self, a: nn.Module, b: nn.Module, alias: bool = False):
+        super().__init__()
+        self.proj, self.a, self.b, self.head = nn.Linear(8, 8), a, b, nn.Linear(8, 8)
+        if alias:
+            self.c = self.b
+        self.order = ("a", "b", "c") if alias else ("a", "b")
+
+    def forward(self, x):
+        h = self.proj(x)
+        for name in self.order:
+            h = getattr(self, name)(h) * 3  # the scale makes a wrong weight show at full size in the output
+        return self.head(h)
+
+
+def _tied(a: nn.Module, b: nn.Module, g: torch.Generator, alias: bool = False) -> TiedNorms:
+    model = TiedNorms(a, b, alias)
+    with torch.no_grad():
+        a.weight.copy_(torch.empty(8).uniform_(0.5, 2.0, generator=g))  # weight - 1 exact in fp32
+    b.weight = a.weight
+    return model
+
+
+TIED = {  # the norms, and whether `a` is a shardnorm norm already (zero_centered_gamma off) before apply
+    "torch_rms_norms": (lambda g: _tied(nn.RMSNorm(8), nn.RMSNorm(8), g), False),
+    "layer_norm_and_rms_norm": (lambda g: _tied(nn.LayerNorm(8), nn.RMSNorm(8), g), False),
+    "converted_and_torch": (lambda g: _tied(nn.RMSNorm(8), nn.RMSNorm(8), g), True),
+    "two_modules_three_names": (lambda g: _tied(nn.RMSNorm(8), nn.RMSNorm(8), g, alias=True), False),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED))
+def test_zero_centered_gamma_shifts_a_tied_weight_once(case):
+    """Norms sharing one weight Parameter: it is stored as weight - 1 once (not once per module, which left
+    weight - 2 and moved the output by up to 6), every norm holding it reads 1 + weight, and the output is the
+    unconverted model's, checked against float64 on fresh data."""
+    g = _seeded(31)
+    build, a_converted = TIED[case]
+    model = build(g)
+    reference = copy.deepcopy(model).double()  # torch's norms in float64
+    if a_converted:
+        model.a = convert_module(model.a, name="a")
+    weight = model.a.weight
+    before = weight.detach().clone()
+    x = torch.randn(5, 8, generator=g)
+    expected = model(x)
+    sd.apply(model, {"shardnorm": {"zero_centered_gamma": True}})
+    assert model.a.weight is weight and model.b.weight is weight
+    assert torch.equal(weight.detach(), before - 1)
+    assert len(_shardnorm_norms(model)) == 2 and all(m.zero_centered_gamma for m in _shardnorm_norms(model))
+    fresh = torch.randn(7, 8, generator=g)
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(fresh).double(), reference(fresh.double()), rtol=1e-5, atol=1e-5)
+
+
+SHARED = {  # a norm's weight also held by something zero_centered_gamma does not re-centre, and its name
+    "linear_bias": (lambda g: _share(g, "head", "bias"), None, "head.bias (Linear)"),
+    "unconverted_norm": (lambda g: _tied(nn.RMSNorm(8), nn.LayerNorm(8), g), ["RMSNorm"], "b.weight (LayerNorm)"),
+    "zero_centered_norm": (lambda g: _tied(nn.RMSNorm(8), shardnorm.RMSNorm(8, zero_centered_gamma=True), g), None,
+                           "b.weight (RMSNorm)"),
+    "gemma_norm": (lambda g: _tied(nn.RMSNorm(8), GemmaRMSNorm(8), g), None, "b.weight (GemmaRMSNorm)"),
+    "norm_bias": (lambda g: _share(g, "b", "bias"), None, "b.bias (LayerNorm)"),
+}
+
+
+def _share(g: torch.Generator, owner: str, attr: str) -> TiedNorms:
+    model = TiedNorms(nn.RMSNorm(8), nn.LayerNorm(8))
+    with torch.no_grad():
+        model.a.weight.copy_(torch.empty(8).uniform_(0.5, 2.0, generator=g))
+    setattr(getattr(model, owner), attr, model.a.weight)
+    return model
+
+
+@pytest.mark.parametrize("case", list(SHARED))
+def test_zero_centered_gamma_refuses_a_weight_shared_with_what_it_does_not_shift(case):
+    """Storing weight - 1 would change the math of everything else holding that Parameter (a Linear's bias, a norm
+    not converted, one already scaling by 1 + weight, a bias slot): refused, naming the weight and its other
+    holder, with the model unchanged."""
+    g = _seeded(41)
+    build, replace, holder = SHARED[case]
+    model = build(g)
+    classes = [type(m) for m in model.modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 8, generator=g)
+    expected = model(x)
+    section = {"zero_centered_gamma": True} | ({"replace": replace} if replace else {})
+    with pytest.raises(sd.ShardnormConfigError) as err:
+        sd.apply(model, {"shardnorm": section})
+    assert err.value.key == "shardnorm.zero_centered_gamma"
+    assert "a.weight is the same Parameter as " + holder in str(err.value)
+    assert "Nothing was converted" in str(err.value)
+    assert [type(m) for m in model.modules()] == classes
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model(x), expected)
+
+
+def test_convert_keeps_each_norms_math_on_a_weight_shared_across_families():
+    """`convert` never rewrites weights: a Gemma-style norm (1 + weight) and a torch RMSNorm (weight) sharing one
+    Parameter each keep their own function, the stored weight unchanged."""
+    g = _seeded(51)
+    model = _tied(GemmaRMSNorm(8), nn.RMSNorm(8), g)
+    before = model.a.weight.detach().clone()
+    x = torch.randn(5, 8, generator=g)
+    expected = model(x)
+    assert shardnorm.convert(model).count == 2
+    assert model.a.zero_centered_gamma and not model.b.zero_centered_gamma and model.a.weight is model.b.weight
+    assert torch.equal(model.a.weight.detach(), before)
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
 class QKNorm(nn.Module):
     def __init__(self):
