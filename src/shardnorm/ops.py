@@ -81,28 +81,6 @@ def _backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_cente
     return _backend(src).norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
 
 
-def _save(ctx, x, weight, bias, residual, eps, rms, zero_centered, output) -> None:
-    """A norm node's saves begin (rows the kernel read, weight as it read it, mean, rstd) and its `flags` say what
-    the call was: the DTensor node (`distributed/token_sharded.py`) keeps the same prefix, and the output recompute
-    (`output_recompute`) reads it from either."""
-    _, z, mean, rstd = output
-    ctx.save_for_backward(z if residual is not None else x, weight, mean, rstd)
-    ctx.flags = (bias is not None, residual is not None, rms, zero_centered, eps)
-
-
-def _input_grads(ctx, dy, dz, run_bwd):
-    """Grads for (x, weight, bias, residual, eps, rms, zero_centered); dz flows on to x and residual."""
-    src, weight, mean, rstd = ctx.saved_tensors
-    has_bias, has_residual, rms, zero_centered, eps = ctx.flags
-    dz = dz if has_residual else None
-    if torch.is_grad_enabled():  # create_graph: differentiable math, statistics recomputed from src
-        mean, rstd = reference.statistics(src, eps, rms)
-        run_bwd = reference.norm_bwd
-    dx, dweight, dbias = run_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
-    return (dx, dweight if weight is not None else None, dbias if has_bias else None,
-            dx if has_residual else None, None, None, None)
-
-
 # ---- the ops: what torch.compile, dispatch modes and tensor subclasses see ----------------------------------------
 
 _LIBRARY = torch.library.Library("shardnorm", "DEF")
@@ -175,29 +153,106 @@ def _eager_ok(*tensors) -> bool:
     return True
 
 
+def _fp32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t if t is None or t.dtype == torch.float32 else t.float()
+
+
 class _NormFunction(torch.autograd.Function):
-    """The norm's one autograd node. `direct`: the call runs the backend's launchers itself (eager, plain tensors,
-    no dispatch mode); otherwise its forward and backward call the ops, which Dynamo traces into the graph and a
-    dispatch mode or tensor subclass sees. Returns y, or (y, z) with a residual; the statistics stay in ctx."""
+    """The norm's one autograd node: every norm call of shardnorm's (module, functional, DTensor, with or without a
+    reducer, eager or compiled) is one application of it. Returns y, or (y, z) with a residual; the statistics stay
+    in ctx.
+
+    `sink_w` / `sink_b`: None, or a reducer's grad sink for weight / bias (`distributed/reducer.py`): an fp32 leaf
+    that takes the parameter's fp32 partial-sum grad instead of autograd giving it to the parameter; the kernels
+    then read an fp32 copy of the parameter, so that their fixed-order sums are rounded to fp32 only. Being an input
+    of this node, the hand-off is an ordinary grad: Dynamo traces it, and the reducer's bookkeeping runs in the
+    sink's post-accumulate hook, outside any graph.
+
+    `direct`: the call runs the backend's launchers itself (eager, plain local tensors, no dispatch mode); otherwise
+    its forward and backward call the ops, which Dynamo traces into the graph and a dispatch mode or tensor subclass
+    sees. `shards`: None, or (eager only) the `distributed.dtensor.TokenShards` of a token-sharded DTensor call: the
+    node then takes and returns DTensors and runs on their local rows, with cached specs instead of the autograd
+    nodes and spec checks of `to_local` / `DTensor.from_local` (host time: docs/performance.md)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, rms, zero_centered, direct):
+    def forward(ctx, x, weight, bias, residual, sink_w, sink_b, eps, rms, zero_centered, direct, shards):
+        inputs = (x, weight)  # as passed: what a create_graph backward differentiates
+        if shards is not None:
+            x, weight, bias, residual = shards.unwrap(x, weight, bias, residual)
+        if sink_w is not None:
+            weight = _fp32(weight)
+        if sink_b is not None:
+            bias = _fp32(bias)
         if direct:
             x, residual = _ready(x), _ready(residual)
-            output = _forward(x, weight, bias, residual, eps, rms, zero_centered)
+            y, z, mean, rstd = _forward(x, weight, bias, residual, eps, rms, zero_centered)
         else:
-            output = norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
-        _save(ctx, x, weight, bias, residual, eps, rms, zero_centered, output)
-        ctx.direct = direct
-        return output[0] if residual is None else output[:2]
+            y, z, mean, rstd = norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+        has_residual = residual is not None
+        src = z if has_residual else x  # the rows the kernel normalized
+        ctx.y_dtype = y.dtype
+        if shards is not None:
+            y = shards.wrap(y, y.dtype)
+            z = shards.wrap(z, z.dtype) if has_residual else None
+        # saves begin (src, weight as the kernel read it, mean, rstd), which the output recompute reads
+        # (`output_recompute`); a create_graph backward differentiates from x (or z) and the weight as passed
+        routed = sink_w is not None or sink_b is not None
+        if shards is not None or routed:
+            ctx.save_for_backward(src, weight, mean, rstd, z if has_residual else inputs[0], inputs[1])
+        else:
+            ctx.save_for_backward(src, weight, mean, rstd)
+        ctx.flags = (bias is not None, has_residual, rms, zero_centered, eps)
+        ctx.direct, ctx.shards, ctx.routed = direct, shards, (sink_w is not None, sink_b is not None)
+        ctx.set_materialize_grads(False)
+        return y if not has_residual else (y, z)
 
     @staticmethod
     def backward(ctx, dy, dz=None):
-        direct = ctx.direct
-        if direct:
-            dy, dz = _ready(dy), _ready(dz)
-            direct = _eager_ok(dy, dz)
-        return _input_grads(ctx, dy, dz, _backward_kernels if direct else norm_bwd) + (None,)
+        shards = ctx.shards
+        has_bias, has_residual, rms, zero_centered, eps = ctx.flags
+        if shards is not None:
+            differentiable = torch.is_grad_enabled()
+            dy, dz = shards.rows(dy, differentiable), shards.rows(dz, differentiable)
+        saved = ctx.saved_tensors
+        src, weight, mean, rstd = saved[:4]
+        if dy is None:  # only z was used
+            dy = torch.zeros(src.shape, dtype=ctx.y_dtype, device=src.device)
+        dz = dz if has_residual else None
+        if torch.is_grad_enabled():  # create_graph: differentiable math, statistics recomputed from src
+            if len(saved) > 4:
+                src, weight = _differentiable_inputs(ctx, saved[4], saved[5])
+            mean, rstd = reference.statistics(src, eps, rms)
+            run_bwd = reference.norm_bwd
+        else:
+            direct = ctx.direct
+            if direct:
+                dy, dz = _ready(dy), _ready(dz)
+                direct = _eager_ok(dy, dz)
+            run_bwd = _backward_kernels if direct else norm_bwd
+        dx, dweight, dbias = run_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+        sink_w, sink_b = ctx.routed
+        dweight = dweight if weight is not None else None
+        dbias = dbias if has_bias else None
+        to_w, to_b = (None if sink_w else dweight), (None if sink_b else dbias)
+        dres = None
+        if shards is not None:
+            x_dtype, residual_dtype = shards.dtypes
+            dres = shards.wrap(dx, residual_dtype) if has_residual else None
+            dx = shards.wrap(dx, x_dtype)
+            to_w, to_b = shards.param_grad(to_w, 0), shards.param_grad(to_b, 1)
+        elif has_residual:
+            dres = dx
+        return (dx, to_w, to_b, dres, dweight if sink_w else None, dbias if sink_b else None,
+                None, None, None, None, None)
+
+
+def _differentiable_inputs(ctx, x_or_z, weight):
+    """(src rows, weight) for a create_graph backward, as differentiable functions of the call's inputs (or z)."""
+    shards = ctx.shards
+    src = shards.rows(x_or_z, differentiable=True) if shards is not None else x_or_z
+    if shards is not None:
+        weight = shards.param(weight)
+    return src, (_fp32(weight) if ctx.routed[0] else weight)
 
 
 _INSTEAD = ("Use torch.nn.functional.layer_norm / rms_norm (or torch.nn.LayerNorm / RMSNorm) where you need it; "
@@ -224,14 +279,24 @@ def _transform_error(error: Exception, *tensors) -> Exception:
 
 
 def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-         eps: float, rms: bool, zero_centered: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None)."""
+         eps: float, rms: bool, zero_centered: bool, sinks: tuple = (None, None),
+         shards=None) -> tuple[Tensor, Optional[Tensor]]:
+    """Differentiable norm of 2-D x (or of x + residual). Returns (y, x + residual or None).
+
+    `sinks`: the reducer's grad sinks for (weight, bias) (`_NormFunction`). `shards`: a token-sharded DTensor
+    call's `TokenShards` (eager only; the caller checked that its local tensors are plain): x, residual, weight
+    and bias are then DTensors, and so are y and z."""
     eps = float(eps)
+    sink_w, sink_b = sinks
     try:
-        if not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) and not _dispatch_modes_active():
-            out = _apply(x, weight, bias, residual, eps, rms, zero_centered, True)
+        if shards is not None:
+            out = _apply(x, weight, bias, residual, sink_w, sink_b, eps, rms, zero_centered, True, shards)
+        elif not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) \
+                and not _dispatch_modes_active():
+            out = _apply(x, weight, bias, residual, sink_w, sink_b, eps, rms, zero_centered, True, None)
         else:
-            out = _NormFunction.apply(x, weight, bias, residual, eps, rms, zero_centered, False)
+            out = _NormFunction.apply(x, weight, bias, residual, sink_w, sink_b, eps, rms, zero_centered, False,
+                                      None)
     except (RuntimeError, NotImplementedError) as e:  # a try costs nothing until it catches
         raise _transform_error(e, x, weight, bias, residual) from e
     return (out, None) if residual is None else out

@@ -1,17 +1,31 @@
-"""shardnorm's LayerNorm/RMSNorm for DTensor inputs: token-sharded ones on their local rows (weight/bias grads
-to the model's reducer, or `Partial` without one), hidden-sharded ones through `hidden_sharded.py`."""
+"""shardnorm's LayerNorm/RMSNorm for DTensor inputs: unwrap, the norm's one node (`ops.norm`), rewrap.
+
+Token-sharded inputs (rows sharded or replicated, normalized dims whole) run the node on their local rows. Weight/bias
+grads are partial sums over the token mesh dim: they go to the model's reducer through its grad sinks (arguments of
+the node, `reducer.py`), or, without a reducer, to autograd as `Partial`. Two ways to the same node:
+
+- eager (no trace, no dispatch mode, plain local tensors): the node takes the DTensors themselves and a
+  `TokenShards`, which unwraps them and wraps its results with cached specs. Composed from `to_local` and
+  `DTensor.from_local` instead, an eager call records four to six autograd nodes, each building and checking a spec
+  (forward 1.5-1.8x torch's `SequenceParallel` host time on a CPU: benchmarks/results/cpu-torch2.13/
+  host_time_dtensor.md);
+- traced or under a dispatch mode: `to_local`, the node on plain tensors, `DTensor.from_local`, all of which Dynamo
+  traces.
+
+Hidden-sharded inputs (a normalized dim sharded) need their statistics all-reduced between the two halves of the
+norm, which the fused kernels cannot do: `hidden_sharded.py` computes them with torch ops.
+"""
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from shardnorm import _torch_compat, ops
-from shardnorm.distributed.grad_routing import route_to_reducer
+from shardnorm.distributed.grad_sources import grad_sink
 from shardnorm.distributed.hidden_sharded import HiddenShardedNorm
 from shardnorm.distributed.layout import NormLayout, global_normalized_numel, norm_layout
-from shardnorm.distributed.token_sharded import TokenShardedNorm, routing
-from shardnorm.rows import as_rows
+from shardnorm.rows import as_param, as_rows
 
-_token_sharded_norm = _torch_compat.function_apply(TokenShardedNorm)
+_SPECS_PER_LAYOUT = 64  # (shape, stride, dtype) variants kept per layout: sequence lengths, output dtypes
 
 
 def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero_centered: bool,
@@ -20,34 +34,40 @@ def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero
     (y, x + residual or None) as DTensors like x. Shapes, dtypes and eps were checked by the caller
     (`shardnorm.functional`); this checks placements."""
     layout = norm_layout(x, weight, bias, residual, normalized_shape)
-    if layout.hidden_mesh_dim is None and _one_node_ok(x, weight, bias, residual):
-        n = global_normalized_numel(x, layout)
-        return _token_sharded_norm(x, weight, bias, residual, eps, rms, zero_centered, layout, n,
-                                   routing(weight, bias, layout))[:2]
+    n = global_normalized_numel(x, layout)
+    if layout.hidden_mesh_dim is not None:
+        return _hidden_sharded(x, weight, bias, residual, eps, rms, zero_centered, layout, n)
+    sinks = _sinks(weight, bias, layout)
+    if _one_node_ok(x, weight, bias, residual):
+        return ops.norm(x, weight, bias, residual, eps, rms, zero_centered, sinks,
+                        TokenShards(layout, weight, bias, n))
     x_local = x.to_local()
-    x2d = _rows(x_local, layout)
-    r2d = _rows(residual.to_local(), layout) if residual is not None else None
-    # after x's to_local: autograd runs later-created nodes first, so the grads reach the reducer (and
-    # may launch its bucket) before backward moves on to the previous layer
-    w, b = (p.reshape(-1) if p is not None else None for p in _local_params(weight, bias, layout))
-    if layout.hidden_mesh_dim is None:
-        y, z = ops.norm(x2d, w, b, r2d, eps, rms, zero_centered)
-    else:
-        z = x2d + r2d if r2d is not None else None
-        group = layout.mesh.get_group(layout.hidden_mesh_dim)
-        y = HiddenShardedNorm.apply(x2d if z is None else z, w, b, eps, rms, zero_centered, group,
-                                    global_normalized_numel(x, layout))
+    w, b = _local_params(weight, bias, layout, n)
+    y, z = ops.norm(as_rows(x_local, n), w, b, as_rows(residual.to_local(), n) if residual is not None else None,
+                    eps, rms, zero_centered, sinks)
+    return _from_local(y, x, x_local), (_from_local(z, x, x_local) if z is not None else None)
 
-    def as_dtensor(t):
-        return DTensor.from_local(t.view(x_local.shape), layout.mesh, x.placements, run_check=False,
-                                  shape=x.shape, stride=x.stride())
 
-    return as_dtensor(y), (as_dtensor(z) if z is not None else None)
+def _sinks(weight, bias, layout: NormLayout) -> tuple:
+    """The reducer's grad sinks of weight and bias ((None, None) without a reducer, or with grads off). Their
+    grads are partial sums over the single token mesh dim; rows sharded over several mesh dims give `Partial`
+    grads to autograd instead."""
+    if len(layout.token_mesh_dims) != 1 or not torch.is_grad_enabled():
+        return None, None
+    sinks = tuple(grad_sink(p) if p is not None and p.requires_grad else None for p in (weight, bias))
+    if not torch.compiler.is_compiling():
+        group = layout.mesh.get_group(layout.token_mesh_dims[0])
+        for name, sink in zip(("weight", "bias"), sinks):
+            if sink is not None and sink.group is not group:
+                raise ValueError(f"shardnorm: this norm's {name} is reduced over another process group than the "
+                                 f"one its input x is sharded over ({layout.mesh}); call attach_reducer(model) "
+                                 "again after parallelizing")
+    return tuple(None if s is None else s.tensor for s in sinks)
 
 
 def _one_node_ok(x, weight, bias, residual) -> bool:
-    """Whether `TokenShardedNorm` may run the call: eager (not traced, no dispatch mode, which must see the ops)
-    on local tensors the kernels can read."""
+    """Whether the node may take the DTensors themselves: eager (not traced, no dispatch mode, which must see the
+    ops) on local tensors the kernels can read."""
     if torch.compiler.is_compiling() or _torch_compat.dispatch_modes_active():
         return False
     local = _torch_compat.dtensor_local
@@ -56,16 +76,95 @@ def _one_node_ok(x, weight, bias, residual) -> bool:
                          local(bias) if isinstance(bias, DTensor) else bias)
 
 
-def _rows(t: torch.Tensor, layout: NormLayout) -> torch.Tensor:
-    """[M, N_local] rows of a local shard, last dim contiguous as the op requires."""
-    return as_rows(t, t.shape[t.dim() - layout.normalized_ndim:].numel())
+def _local_params(weight, bias, layout: NormLayout, n: int) -> tuple:
+    """This rank's weight/bias as the op takes them; grads flowing back through them are `Partial` over the
+    token mesh dims (where a sink takes them, none flow)."""
+    return tuple(as_param(p.to_local(grad_placements=layout.grad_placements) if isinstance(p, DTensor) else p, n)
+                 for p in (weight, bias))
 
 
-def _local_params(weight, bias, layout: NormLayout):
-    """This rank's weight/bias. Their grads are partial sums over the token mesh dims: routed to the
-    reducer when one is bound (single token mesh dim), else returned to autograd as `Partial`."""
-    local = tuple(p.to_local(grad_placements=layout.grad_placements) if isinstance(p, DTensor) else p
-                  for p in (weight, bias))
-    if len(layout.token_mesh_dims) != 1:
-        return local
-    return route_to_reducer((weight, bias), local, layout.mesh.get_group(layout.token_mesh_dims[0]))
+def _from_local(t, x: DTensor, x_local):
+    return DTensor.from_local(t.view(x_local.shape), x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=x.stride())
+
+
+def _hidden_sharded(x, weight, bias, residual, eps, rms, zero_centered, layout: NormLayout, n: int):
+    x_local = x.to_local()
+    x2d = as_rows(x_local, x_local.shape[-layout.normalized_ndim:].numel())
+    z = x2d + as_rows(residual.to_local(), x2d.shape[1]) if residual is not None else None
+    w, b = (p.to_local().reshape(-1) if p is not None else None for p in (weight, bias))
+    group = layout.mesh.get_group(layout.hidden_mesh_dim)
+    y = HiddenShardedNorm.apply(x2d if z is None else z, w, b, eps, rms, zero_centered, group, n)
+    return _from_local(y, x, x_local), (_from_local(z, x, x_local) if z is not None else None)
+
+
+def _spec(layout: NormLayout, placements: tuple, shape, stride: tuple, dtype: torch.dtype):
+    """The DTensorSpec `DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)` builds, cached."""
+    key = (placements is layout.grad_placements, shape, stride, dtype)
+    spec = layout.specs.get(key)
+    if spec is None:
+        if len(layout.specs) >= _SPECS_PER_LAYOUT:
+            layout.specs.clear()
+        spec = layout.specs[key] = _torch_compat.dtensor_spec(layout.mesh, placements, shape, stride, dtype)
+    return spec
+
+
+class TokenShards:
+    """One eager token-sharded call's DTensor side, for the norm's node (`ops._NormFunction`): its inputs' local
+    rows and parameters, its results as DTensors laid out like x (specs cached per layout), its output grads as
+    local rows, and its parameter grads as `Partial` DTensors."""
+
+    __slots__ = ("layout", "n", "params", "meta", "dtypes")
+
+    def __init__(self, layout: NormLayout, weight, bias, n: int):
+        self.layout, self.n, self.params = layout, n, (weight, bias)
+
+    def unwrap(self, x, weight, bias, residual) -> tuple:
+        """(x rows, weight, bias, residual rows) as the kernels read them (grad mode is off in a node's forward)."""
+        local = _torch_compat.dtensor_local
+        x_local = local(x)
+        self.meta = (x.shape, x.stride(), x_local.shape)
+        self.dtypes = (x.dtype, residual.dtype if residual is not None else None)
+        n = self.n
+        w, b = (as_param(local(p) if isinstance(p, DTensor) else p, n) for p in (weight, bias))
+        return as_rows(x_local, n), w, b, (as_rows(local(residual), n) if residual is not None else None)
+
+    def wrap(self, rows, dtype):
+        """Local rows as a DTensor laid out like x, in `dtype` (differentiable where grad mode is on: a create_graph
+        backward's grads)."""
+        shape, stride, local_shape = self.meta
+        t = rows.view(local_shape).to(dtype)
+        layout = self.layout
+        if torch.is_grad_enabled():
+            return DTensor.from_local(t, layout.mesh, layout.placements, run_check=False, shape=shape, stride=stride)
+        return _torch_compat.dtensor_with_spec(t, _spec(layout, layout.placements, shape, stride, dtype))
+
+    def rows(self, t, differentiable: bool = False):
+        """An output (or its grad) as local rows laid out like x (redistributed first if it came otherwise)."""
+        if t is None:
+            return None
+        layout = self.layout
+        if tuple(t.placements) != layout.placements:
+            t = t.redistribute(layout.mesh, layout.placements)
+        local = t.to_local() if differentiable else ops._ready(_torch_compat.dtensor_local(t))
+        return as_rows(local, self.n)
+
+    def param(self, p):
+        """A parameter as a differentiable local vector (a create_graph backward's)."""
+        if isinstance(p, DTensor):
+            p = p.to_local(grad_placements=self.layout.grad_placements)
+        return as_param(p, self.n)
+
+    def param_grad(self, grad, index: int):
+        """A weight (0) / bias (1) grad as autograd takes it: `Partial` over the token mesh dims for a DTensor."""
+        if grad is None:
+            return None
+        param = self.params[index]
+        if not isinstance(param, DTensor):
+            return grad.view(param.shape)
+        layout, local = self.layout, grad.view(_torch_compat.dtensor_local(param).shape)
+        if torch.is_grad_enabled():
+            return DTensor.from_local(local, layout.mesh, layout.grad_placements, run_check=False, shape=param.shape,
+                                      stride=param.stride())
+        return _torch_compat.dtensor_with_spec(local, _spec(layout, layout.grad_placements, param.shape,
+                                                            param.stride(), grad.dtype))

@@ -1,10 +1,11 @@
 """Where a reducer's partial sums come from: the one input of `NormGradReducer` that differs per setup.
 
-Pushed: handed to `reducer.add` as computed (`NormBackward`: the norms' own backward, `grad_routing.py`).
+Pushed: handed to `reducer.add` as computed (`NormBackward`: the norms' own backward, through grad sinks).
 Harvested (`GradAttributeSource`): left in `param.grad`, and at the step boundary the part not reduced yet is
 taken out into the reducer's buffer (`PartialGrads`: DeepSpeed AutoTP's; `FSDPShardedGrads`: FSDP2's).
 
-`REDUCER_ATTR` is set on the model (its reducer) and on the norm parameters a reducer owns, nothing else.
+`REDUCER_ATTR` is set on the model (its reducer) and on the norm parameters a reducer owns, nothing else;
+`SINK_ATTR` on those of them whose grads it is pushed.
 """
 
 import torch
@@ -12,6 +13,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 REDUCER_ATTR = "_shardnorm_reducer"
+SINK_ATTR = "_shardnorm_grad_sink"  # the reducer's GradSink for a norm parameter it owns
+GROUP_ATTR = "_shardnorm_group"  # a plain sequence-parallel parameter's group (process_group_sequence_parallel)
 
 
 class GradSource:
@@ -43,18 +46,33 @@ class GradSource:
 
 
 class NormBackward(GradSource):
-    """shardnorm's norms push their fp32 dgamma/dbeta from their backward (`grad_routing.route_to_reducer`)
-    into the reducer bound to their parameters; autograd never writes those parameters' `.grad`."""
+    """shardnorm's norms push their fp32 dgamma/dbeta from their backward: each sequence-parallel norm parameter
+    gets a grad sink (`NormGradReducer.sink`), which the norm's node gives the grad to instead of autograd giving it
+    to the parameter (`distributed/dtensor.py`)."""
 
     def bind(self, params) -> None:
         for p in params:
             setattr(p, REDUCER_ATTR, self.reducer)
+            group = token_group(p)
+            if group is not None:
+                setattr(p, SINK_ATTR, self.reducer.sink(p, group))
+            elif hasattr(p, SINK_ATTR):
+                delattr(p, SINK_ATTR)
 
 
-def bound_reducer(param):
-    """The reducer a norm parameter's grads are pushed to (`NormBackward.bind`), or None."""
-    reducer = getattr(param, REDUCER_ATTR, None)
-    return reducer if reducer is not None and isinstance(reducer.source, NormBackward) else None
+def token_group(param):
+    """The process group over which `param`'s grads are partial sums: a `Replicate` DTensor's 1-D mesh (a
+    `SequenceParallelNorm`'s tensor-parallel mesh), or the group `process_group_sequence_parallel` recorded on a
+    plain parameter; None otherwise."""
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        return mesh.get_group() if mesh.ndim == 1 and all(p.is_replicate() for p in param.placements) else None
+    return getattr(param, GROUP_ATTR, None)
+
+
+def grad_sink(param):
+    """The reducer's grad sink bound to a norm parameter (`NormBackward.bind`), or None."""
+    return getattr(param, SINK_ATTR, None)
 
 
 def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from shardnorm import output_recompute
+from shardnorm.distributed.grad_sources import GROUP_ATTR
 
 
 class SequenceParallelNorm(ParallelStyle):
@@ -116,6 +117,7 @@ class _ProcessGroupSequenceParallelNorm(SequenceParallelNorm):
     def _prepare_params(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         for param in module.parameters(recurse=False):
             param.sequence_parallel = True
+            setattr(param, GROUP_ATTR, device_mesh.get_group())  # the group a reducer sums its grads over
 
 
 def process_group_sequence_parallel(module: nn.Module, group: dist.ProcessGroup, *,

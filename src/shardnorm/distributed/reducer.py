@@ -7,10 +7,17 @@ Where they come from is the `source` (`grad_sources.py`); this class owns the re
 the order grads first arrive (the backward order); a grad that arrives after its bucket was launched is
 reduced on its own, so correctness never depends on that guess.
 
-While partial sums are pending, each owned parameter's `.grad` is held with `requires_grad=True`: every
-`zero_grad` drops or detaches it, which tells the reducer to drop those sums too (docs/distributed.md).
+The norms hand their grads over through grad sinks (`GradSink`): an fp32 leaf per parameter that the norm's node
+takes as an input and gives the parameter's grad to (`ops._NormFunction`), so compiled graphs carry the hand-off as
+an ordinary grad; the sink's post-accumulate hook passes it on to `add`.
+
+Between the backward passes of an accumulating step the partial sums wait in the parameters' own `.grad` (as
+Megatron-Core keeps them in its grad buffer): however the user zeroes grads (`zero_grad`, `set_to_none`,
+`p.grad.zero_()`, `p.grad.data.zero_()`), the zeroing reaches them. The step's last backward takes them back out
+before its buckets are reduced.
 """
 
+import functools
 import weakref
 from typing import Literal
 
@@ -32,41 +39,67 @@ DEFAULT_BUCKET_CAP_MB = 1.0
 class _Slot:
     """One parameter's fp32 accumulator: a view into its bucket once laid out, a lone tensor before."""
 
-    __slots__ = ("param", "group", "data", "bucket", "expected", "count", "touched", "held", "placed")
+    __slots__ = ("param", "group", "data", "bucket", "expected", "count", "touched", "stashed", "base")
 
     def __init__(self, param, group, numel: int, device):
         self.param, self.group, self.bucket = param, group, None
         self.data = torch.zeros(numel, dtype=torch.float32, device=device)
         self.expected, self.count, self.touched = 1, 0, False
-        self.held, self.placed = None, False  # the param's .grad held while `data` is pending; put there by us
+        self.stashed, self.base = False, None  # the pending sum waits in the param's .grad; what .grad held before
 
-    def hold(self) -> None:
-        """Mark the param's `.grad` as the holder of this slot's pending sum (zeros where it was None)."""
-        grad = self.param.grad
-        if grad is None:
-            grad = self.param.grad = _as_grad(self.param, torch.zeros_like(local_tensor(self.param)))
-            self.placed = True
-        if not grad.requires_grad:
-            grad.requires_grad_(True)
-        self.held = grad
+    def stash(self) -> None:
+        """Move the pending sum into the param's `.grad` (in its dtype), where any zeroing of the grads reaches it."""
+        param = self.param
+        if param.grad is None:
+            param.grad = _as_grad(param, self.data.to(param.dtype, copy=True))
+            self.base = None
+        else:
+            local = local_tensor(param.grad)
+            if not self.stashed:
+                self.base = local.reshape(-1).to(torch.float32, copy=True)
+            local.add_(self.data.view_as(local))
+        self.data.zero_()
+        self.touched, self.stashed = False, True
 
-    def cleared(self) -> bool:
-        """Whether a zero_grad took the held `.grad` since `hold` (set it to None, another tensor, or detached it)."""
-        grad = self.param.grad
-        return grad is not self.held or not grad.requires_grad
-
-    def release(self) -> None:
-        if self.held is not None and self.held.is_leaf:
-            self.held.requires_grad_(False)
-        self.held, self.placed = None, False
+    def unstash(self) -> None:
+        """Take back out of `.grad` what is left of the stashed sum, leaving `.grad` as it was before the step."""
+        if not self.stashed:
+            return
+        param, base = self.param, self.base
+        if param.grad is not None:
+            local = local_tensor(param.grad)
+            self.data.add_(local.reshape(-1))
+            if base is None:
+                param.grad = None
+            else:
+                self.data.sub_(base)
+                local.copy_(base.view_as(local))
+            self.touched = True
+            if self.bucket is not None:
+                self.bucket.dirty = True
+        self.stashed, self.base = False, None
 
     def drop(self) -> None:
-        """Forget the pending sum."""
+        """Forget the pending sum, `.grad` back to what it was before the step."""
+        if self.stashed and self.param.grad is not None:
+            if self.base is None:
+                self.param.grad = None
+            else:
+                local = local_tensor(self.param.grad)
+                local.copy_(self.base.view_as(local))
         self.data.zero_()
-        self.touched = False
-        if self.placed and self.param.grad is self.held:
-            self.param.grad = None
-        self.release()
+        self.touched, self.stashed, self.base = False, False, None
+
+
+class GradSink:
+    """Where a norm's node gives one parameter's fp32 partial-sum grad (`ops._NormFunction`): `tensor`, an fp32
+    leaf of the parameter's local size whose value is never read; its post-accumulate hook hands the grad to the
+    reducer, over `group`."""
+
+    __slots__ = ("tensor", "group", "param", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, group, param):
+        self.tensor, self.group, self.param = tensor, group, param
 
 
 class _Bucket:
@@ -83,7 +116,7 @@ class NormGradReducer:
     """Owns the cross-rank reduction of norm weight/bias grads: each partial sum is reduced exactly once.
 
     reduce="bucketed": one all-reduce per bucket per optimizer step, overlapped with the last backward.
-    reduce="per_layer": one all-reduce per pushed norm call per micro-batch, issued as its grads arrive
+    reduce="per_layer": one all-reduce per pushed norm parameter grad per micro-batch, issued as it arrives
     (for debugging and comparison); grads still land in `.grad` only when the step's grads are final.
     source: where the partial sums come from (default `NormBackward()`: the norms push them).
     """
@@ -107,7 +140,6 @@ class NormGradReducer:
         self._per_layer: list[tuple[object, torch.Tensor, list[_Slot]]] = []
         self._backward_task: int | None = None  # autograd graph task whose end we wait for
         self._syncing = False
-        self._holding = False  # some slot holds its param's .grad (pending partial sums)
         self.source = source if source is not None else NormBackward()
         if reduce == "per_layer" and not isinstance(self.source, NormBackward):
             raise ValueError(f"shardnorm: reduce='per_layer' reduces grads pushed by the norms' backward; the "
@@ -127,9 +159,24 @@ class NormGradReducer:
 
     @property
     def has_pending(self) -> bool:
-        """Whether accumulated grads are waiting for the step's reduction (a zero_grad since drops them)."""
-        self._drop_cleared()
-        return any(s.touched for s in self._slots.values()) or self.source.pending
+        """Whether accumulated grads are waiting for the step's reduction (a zero_grad that set `.grad` to None
+        since drops them)."""
+        return any(s.touched or s.stashed and s.param.grad is not None for s in self._slots.values()) \
+            or self.source.pending
+
+    def sink(self, param, group) -> GradSink:
+        """A grad sink for `param`, whose partial sums are reduced over `group` (`NormBackward.bind`)."""
+        local = local_tensor(param)
+        tensor = torch.zeros(local.numel(), dtype=torch.float32, device=local.device, requires_grad=True)
+        sink = GradSink(tensor, group, param)
+        tensor.register_post_accumulate_grad_hook(functools.partial(self._on_sink_grad, weakref.ref(sink)))
+        return sink
+
+    def _on_sink_grad(self, sink_ref, tensor: torch.Tensor) -> None:
+        grad, tensor.grad = tensor.grad, None
+        sink = sink_ref()
+        if sink is not None:
+            self.add([sink.param], [grad.detach()], sink.group)
 
     def discard_pending(self) -> None:
         """Drop every partial sum waiting for the step's reduction, as a `zero_grad` does (each rank calls it).
@@ -139,25 +186,11 @@ class NormGradReducer:
             raise RuntimeError("shardnorm: discard_pending was called inside a backward pass; call it between steps")
         self._finish_per_layer()
         for s in self._slots.values():
-            if s.touched or s.held is not None:
+            if s.touched or s.stashed:
                 s.drop()
         for b in self.buckets:
             b.dirty = False
-        self._holding = False
         self.source.discard()
-
-    def _drop_cleared(self) -> None:
-        """Drop the pending sums whose held `.grad` a zero_grad took (see the module docstring)."""
-        if not self._holding:
-            return
-        holding = False
-        for s in self._slots.values():
-            if s.held is not None:
-                if s.cleared():
-                    s.drop()
-                else:
-                    holding = True
-        self._holding = holding
 
     # ---- called by sources, from backward ----------------------------------------------------------------
 
@@ -231,9 +264,11 @@ class NormGradReducer:
     def _begin_backward(self, task: int) -> None:
         if self._unmaterialized:
             self._materialize()
-        self._drop_cleared()
         self._backward_task = task
         self._syncing = self.source.ends_step or not self.accumulating
+        if self._syncing:  # the step's sums so far, as the user's zeroing left them, join this backward's
+            for s in self._slots.values():
+                s.unstash()
         for b in self.buckets:
             b.pending = sum(s.expected for s in b.slots)
         self.source.begin_backward()
@@ -250,9 +285,8 @@ class NormGradReducer:
             self._finish_per_layer()
             self._lay_out_staged()
             for s in self._slots.values():
-                if s.touched and s.held is None:
-                    s.hold()
-            self._holding = True
+                if s.touched:
+                    s.stash()
 
     # ---- reduction -----------------------------------------------------------------------------------
 
@@ -313,7 +347,8 @@ class NormGradReducer:
         add it to `.grad`. Idempotent."""
         if self._unmaterialized:
             self._materialize()
-        self._drop_cleared()
+        for s in self._slots.values():
+            s.unstash()
         for param, partial in self.source.harvest():
             self._accumulate(self._slots[id(param)], partial)
         self._finish_per_layer()
@@ -334,9 +369,6 @@ class NormGradReducer:
                 _accumulate_grad(s.param, s.data)
                 s.data.zero_()
                 s.touched = False
-            if s.held is not None:
-                s.release()
-        self._holding = False
 
 
 _REDUCERS: "weakref.WeakSet[NormGradReducer]" = weakref.WeakSet()

@@ -1,5 +1,6 @@
-"""The eager sequence-parallel norm as one autograd node (`shardnorm.distributed.token_sharded`): the graph it
-records, and second-order grads through it against torch's norm on the whole tensor (2 gloo ranks, fresh data)."""
+"""The eager sequence-parallel norm is the norm's one autograd node (`ops._NormFunction` taking the DTensors,
+`distributed/dtensor.py`): the graph it records, and second-order grads through it against torch's norm on the whole
+tensor (2 gloo ranks, fresh data)."""
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def _body(rank, world_size, seed):
         # one node between the norm's output and its DTensor inputs / weight (the composed path had to_local,
         # the kernel's Function and from_local between them)
         node = y.grad_fn
-        assert type(node).__name__ == "TokenShardedNormBackward", (residual, type(node).__name__)
+        assert type(node).__name__ == "_NormFunctionBackward", (residual, type(node).__name__)
         leaves = {type(f).__name__ for f, _ in node.next_functions if f is not None}
         assert leaves == {"AccumulateGrad"}, (residual, leaves)
         # second order: d/dx of sum(y^2), then backward of its square, against torch on the whole tensor
