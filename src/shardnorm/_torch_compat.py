@@ -236,14 +236,10 @@ def is_block_shard(placement) -> bool:
     """Whether `placement` is `Shard(d)`: dim d cut into one contiguous block per rank. Not `_StridedShard`
     (FSDP2 over tensor parallelism: blocks interleaved), which is a `Shard` whose `is_shard()` is true on torch 2.11
     and neither on 2.13."""
-    return placement.is_shard() and not isinstance(placement, _strided_shard_class())
-
-
-@functools.cache
-def _strided_shard_class() -> type:
+    # imported here, not cached with functools: Dynamo warns about every lru_cache it traces through
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return _StridedShard
+    return placement.is_shard() and not isinstance(placement, _StridedShard)
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------------

@@ -32,7 +32,9 @@ class NormLayout:
 def norm_layout(x: DTensor, weight, bias, residual, normalized_shape: tuple) -> NormLayout:
     """Classify x's placements and check that weight, bias and residual agree with them (their
     shapes were checked against `normalized_shape` by `shardnorm.functional`)."""
-    layout = _classify(x.device_mesh, tuple(x.placements), x.dim(), len(normalized_shape))
+    # traced: the plain function (Dynamo traces through a cache and warns that it did)
+    classify = _classify.__wrapped__ if torch.compiler.is_compiling() else _classify
+    layout = classify(x.device_mesh, tuple(x.placements), x.dim(), len(normalized_shape))
     for name, p in (("weight", weight), ("bias", bias)):
         _check_param(name, p, x, layout)
     if residual is not None:
