@@ -1,0 +1,211 @@
+"""Sequence-parallel training step of a stack of Llama-like blocks: torch's norms and plan against shardnorm's
+README recipe, with and without its memory option, eager and compiled, as alternating rounds.
+
+Each block is `x + wo(silu(wa(n(x))) * wb(n(x)))` twice: every norm feeds two column-parallel consumers (like q/k/v,
+gate/up) and a row-parallel output back to the sequence shard. Variants, all on one tensor-parallel mesh:
+
+- `torch`: `nn.RMSNorm` under `SequenceParallel`, the consumers gathering their input (`PrepareModuleInput`);
+- `shardnorm`: the README's recipe, `SequenceParallelNorm(output_layouts=Replicate())` (the norm gathers its own
+  output), `attach_reducer`, micro-batches but the last inside `shardnorm.accumulate`;
+- `shardnorm_discard`: the same with `keep_output=False` (each rank keeps its shard; the gather is redone in backward).
+
+A step is MICRO_BATCHES forward+backward passes and an SGD step. Per round every variant runs `--steps` timed steps
+(after `--warmup`), in an order rotated each round; each round's ratio of median step times is one sample, and the
+table gives their median and range. Memory: bytes the first micro-batch's forward leaves allocated, and the peak.
+Losses of the first step are compared with torch's (each variant's own model, the same weights and data).
+
+    torchrun --nproc-per-node 2 -m benchmarks.sp_step --out OUT_DIR [--compile] [--rounds 5]
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+import shardnorm
+from benchmarks import common
+from shardnorm.distributed import SequenceParallelNorm, attach_reducer
+
+MICRO_BATCHES = 2
+VARIANTS = ("torch", "shardnorm", "shardnorm_discard")
+
+
+class Sub(nn.Module):
+    def __init__(self, dim, ffn, norm):
+        super().__init__()
+        self.norm = norm
+        self.wa = nn.Linear(dim, ffn, bias=False)
+        self.wb = nn.Linear(dim, ffn, bias=False)
+        self.wo = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.wo(nn.functional.silu(self.wa(h)) * self.wb(h))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, ffn, make_norm):
+        super().__init__()
+        self.first, self.second = Sub(dim, ffn, make_norm()), Sub(dim, ffn, make_norm())
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def build(variant: str, args, mesh, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if variant == "torch":
+        make_norm = lambda: nn.RMSNorm(args.dim, eps=1e-6)  # noqa: E731
+    else:
+        make_norm = lambda: shardnorm.RMSNorm(args.dim, eps=1e-6)  # noqa: E731
+    model = nn.Sequential(*[Block(args.dim, args.ffn, make_norm) for _ in range(args.layers)])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.to(device="cuda" if args.device == "cuda" else "cpu", dtype=args.dtype)
+    for sub in (s for block in model for s in (block.first, block.second)):
+        if variant == "torch":
+            plan = {"norm": SequenceParallel(),
+                    "wa": ColwiseParallel(), "wb": ColwiseParallel(), "wo": RowwiseParallel(output_layouts=Shard(1))}
+            parallelize_module(sub, mesh, plan)
+            # the consumers gather the norm's shard themselves
+            parallelize_module(sub.wa, mesh, PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()))
+            parallelize_module(sub.wb, mesh, PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()))
+        else:
+            sub.norm.keep_output = variant != "shardnorm_discard"
+            plan = {"norm": SequenceParallelNorm(output_layouts=Replicate()),
+                    "wa": ColwiseParallel(), "wb": ColwiseParallel(), "wo": RowwiseParallel(output_layouts=Shard(1))}
+            parallelize_module(sub, mesh, plan)
+    if variant != "torch":
+        attach_reducer(model)
+    if args.compile:
+        for block in model:  # static shapes: every block's graph is the first one's (its recompile on the next
+            block.compile(dynamic=False)  # block's parameters would otherwise trace DTensors with symbolic sizes)
+    return model
+
+
+def step(model, variant, batches, opt) -> float:
+    losses = []
+    for i, x in enumerate(batches):
+        last = i == len(batches) - 1
+        ctx = shardnorm.accumulate(model) if variant != "torch" and not last else contextlib.nullcontext()
+        with ctx:
+            y = model(x)
+            y = y.to_local() if hasattr(y, "to_local") else y
+            loss = y.float().square().mean()
+            loss.backward()
+        losses.append(loss.detach())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return torch.stack(losses).sum()
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def held_after_forward(model, x) -> int:
+    _sync()
+    before = _allocated()
+    y = model(x)
+    _sync()
+    held = _allocated() - before
+    (y.to_local() if hasattr(y, "to_local") else y).float().square().mean().backward()
+    return held
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=11008)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    args.dtype = torch.bfloat16
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = init_device_mesh(args.device, (world,))
+    g = torch.Generator().manual_seed(0)
+    local_seq = args.seq // world
+    batches = [torch.randn(1, args.seq, args.dim, generator=g)[:, rank * local_seq:(rank + 1) * local_seq]
+               .contiguous().to(args.device, args.dtype) for _ in range(MICRO_BATCHES)]
+    models = {v: build(v, args, mesh, seed=1) for v in args.variants}
+    opts = {v: torch.optim.SGD(m.parameters(), lr=1e-6) for v, m in models.items()}
+    first_loss, held, peak = {}, {}, {}
+    for v in args.variants:  # warm-up (compiles), memory and first-step losses
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        held[v] = held_after_forward(models[v], batches[0])
+        opts[v].zero_grad(set_to_none=True)
+        first_loss[v] = step(models[v], v, batches, opts[v]).item()
+        for _ in range(args.warmup):
+            step(models[v], v, batches, opts[v])
+        _sync()
+        peak[v] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    times = {v: [] for v in args.variants}
+    for r in range(args.rounds):
+        for v in common.turns(list(args.variants), r):
+            samples = []
+            for _ in range(args.steps):
+                dist.barrier()
+                _sync()
+                t0 = time.perf_counter()
+                step(models[v], v, batches, opts[v])
+                _sync()
+                samples.append((time.perf_counter() - t0) * 1e3)
+            times[v].append(statistics.median(samples))
+        if rank == 0:
+            print(f"round {r}: " + ", ".join(f"{v} {times[v][-1]:.1f} ms" for v in args.variants), flush=True)
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+    mode = "compiled" if args.compile else "eager"
+    pairs = {}
+    for b, a in (("shardnorm", "torch"), ("shardnorm_discard", "torch"), ("shardnorm_discard", "shardnorm")):
+        if a in times and b in times:
+            pairs[f"{b} / {a}"] = common.median_range([tb / ta for tb, ta in zip(times[b], times[a])])
+    result = {"environment": common.environment(args.device, world), "command": common.command("benchmarks.sp_step"),
+              "mode": mode, "tp": world, "shape": vars(args) | {"dtype": str(args.dtype)},
+              "step_ms": times, "pairs": pairs, "held_after_forward_mib": {v: b / 2**20 for v, b in held.items()},
+              "peak_mib": {v: b / 2**20 for v, b in peak.items()}, "first_step_loss": first_loss}
+    out = common.Path(args.out)
+    common.write_json(out / f"sp_step_{mode}_tp{world}.json", result)
+    lines = [f"# SP block stack, tp={world}, {mode}", "", f"`{result['command']}`", "",
+             f"{result['environment']['device']} x {world}, torch {torch.__version__}; {args.layers} blocks of 2 norms, "
+             f"D {args.dim}, F {args.ffn}, S {args.seq}, {MICRO_BATCHES} micro-batches, bf16; {args.rounds} rounds of "
+             f"{args.steps} steps, order rotated each round", ""]
+    lines += common.table(["variant", "step ms (median of rounds)", "held after forward MiB", "peak MiB",
+                           "first-step loss"],
+                          [[v, f"{statistics.median(times[v]):.1f}", f"{held[v] / 2**20:.0f}",
+                            f"{peak[v] / 2**20:.0f}", f"{first_loss[v]:.6g}"] for v in args.variants])
+    lines += [""] + common.table(["ratio", "median", "range"],
+                                 [[k, f"{p['median']:.3f}", f"{p['min']:.3f}-{p['max']:.3f}"] for k, p in pairs.items()])
+    (out / f"sp_step_{mode}_tp{world}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
