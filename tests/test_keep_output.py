@@ -563,6 +563,27 @@ def test_compat_entries():
         assert _torch_compat.saved_tensors_hooks_active()
     assert not _torch_compat.functorch_transforms_active()
     assert torch.func.vmap(lambda a: a * 0 + _torch_compat.functorch_transforms_active())(t).all()
+    assert _torch_compat.saved_tensors_hooks_enabled()
+    with torch.autograd.graph.disable_saved_tensors_hooks("off"):
+        assert not _torch_compat.saved_tensors_hooks_enabled()
+
+
+def test_models_run_where_saved_tensors_hooks_are_disabled():
+    """While a keep_output=False norm exists in the process, a model run under
+    `torch.autograd.graph.disable_saved_tensors_hooks` (as torch's own features do) trains as without shardnorm:
+    a model without shardnorm norms, and a discarding norm itself (which then keeps its output)."""
+    discarding = shardnorm.RMSNorm(8, keep_output=False)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    with torch.autograd.graph.disable_saved_tensors_hooks("saved-tensors hooks are disabled here"):
+        plain(x).sum().backward()
+        with_norm = torch.nn.Sequential(discarding, torch.nn.Linear(8, 2))
+        with_norm(x).sum().backward()
+    expected = torch.nn.Sequential(torch.nn.RMSNorm(8), torch.nn.Linear(8, 2))
+    expected.load_state_dict(with_norm.state_dict())
+    expected(x).sum().backward()
+    for (name, p), q in zip(with_norm.named_parameters(), expected.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), name
 
 
 # ---- the main job's model: single process, DTensor sequence parallel and FSDP2 on 2 gloo ranks -----------------

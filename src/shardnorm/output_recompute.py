@@ -149,7 +149,10 @@ def _enter(module, args) -> None:
     scope.root_frame = sys._getframe(1)
     # not under a torch.func transform: its grad and vjp refuse saved-tensors hooks for every module they run,
     # shardnorm's or not (a norm itself raises its own error there)
-    if torch.is_grad_enabled() and not _torch_compat.saved_tensors_hooks_active() \
+    # nor where the user disabled saved-tensors hooks (`disable_saved_tensors_hooks`): a push would raise in a model
+    # that may not even hold a discarding norm; its norms then keep their outputs
+    if torch.is_grad_enabled() and _torch_compat.saved_tensors_hooks_enabled() \
+            and not _torch_compat.saved_tensors_hooks_active() \
             and _torch_compat.current_graph_task_id() == -1 and not _torch_compat.is_compiled_module(module) \
             and not _torch_compat.functorch_transforms_active():
         scope.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
