@@ -4,18 +4,18 @@ Every provider runs the same shapes in the same process; each one's y, dx and dg
 against a float64 reference first, so a fast wrong kernel cannot win. Times are
 `triton.testing.do_bench` medians after warm-up (it also flushes L2 between repetitions), the best
 of `--repeats` rounds that time every provider in turn (the GPU machine's shared CPU makes host-bound
-medians drift by 2x between runs; `kernel_gpu_time.py` measures the kernels without host time); inputs
-that fit in L2 are additionally rotated. Bytes are the minimum traffic: forward reads x and writes
+medians drift by 2x between runs, so compare small shapes within one run only); inputs that fit in L2
+are additionally rotated. Bytes are the minimum traffic: forward reads x and writes
 y, backward reads x and dy and writes dx (weights, stats and dgamma are not counted), fwd+bwd the
 sum. Backward is timed as `y.backward(dy, retain_graph=True)`, so it includes the dgamma/dbeta
 reduction. A device-to-device copy measured in the same run is the ceiling.
 
-    python benchmarks/bench_kernels.py --out results.json [--quick] [--max-autotune] [--repeats 3]
+    python -m benchmarks.bench_kernels --out results.json [--quick] [--max-autotune] [--repeats 3]
         [--shapes genai,llama,qk,longrow] [--providers shardnorm,quack,...]
 
 Liger-Kernel and quack (CuTe-DSL kernels, benchmark-only: shardnorm never imports it) are optional: a peer
-that does not import is skipped with one line. `benchmarks/report.py results.json` turns the JSON into the
-markdown table and the plot.
+that does not import is skipped with one line. `python -m benchmarks.report results.json` turns the JSON into
+the markdown table and the plot.
 
 shardnorm runs with its default kernels: on Hopper the staged kernels for long rows (`kernels/config.py`,
 SPECIALIZED). `SHARDNORM_PORTABLE_KERNELS=1` runs the portable Triton kernels everywhere, for an A/B of a
@@ -23,23 +23,20 @@ specialized path in the same harness; the JSON's meta says which ran (`shardnorm
 """
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench
 
 import shardnorm
+from benchmarks.common import command, copy_gbs, environment, gbs, rel_err, turns, version
 
 GENAI = [(32768, n) for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536)]
 LLAMA = [(16384, n) for n in (4096, 5120, 8192, 14336)]
 QK_NORM = [(262144, n) for n in (64, 128, 256)]
-# The long rows (above one program's registers). M = 32768 at N = 65536 (4 GiB per bf16 tensor) is what GENAI has always run:
+# The long rows (above one program's registers). M = 32768 at N = 65536 (4 GiB per bf16 tensor), as in GENAI:
 # one input set, and every provider fits in 80 GB but torch eager RMSNorm with fp32 weights (its
 # fp32 upcast path runs out of memory; reported as failed, as before).
 LONGROW_LN = [(16384, 14336)] + [(32768, n) for n in (16384, 32768, 65536)]
@@ -53,13 +50,6 @@ SHAPE_GROUPS = {  # --shapes group -> norm -> [(M, N)]
 PROVIDERS = ("shardnorm", "torch", "torch.compile", "torch.compile-max-autotune", "liger", "quack")
 EPS = 1e-6
 REF_ROWS = 512  # rows of y/dx compared in float64 (dgamma uses all rows)
-
-
-def copy_bandwidth() -> float:
-    src = torch.randn(512 * 2**20, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def make_providers(rms: bool, n: int, max_autotune: bool, weight_dtype=torch.bfloat16, only=PROVIDERS) -> dict:
@@ -134,14 +124,9 @@ def quack_provider(rms: bool, weight_dtype) -> dict:
 
 
 def peer_versions() -> dict:
-    """Installed versions of the optional peers (from their metadata, nothing imported)."""
-    versions = {}
-    for dist in ("liger-kernel", "quack-kernels", "nvidia-cutlass-dsl"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
+    """Installed versions of the optional peers."""
+    versions = {dist: version(dist) for dist in ("liger-kernel", "quack-kernels", "nvidia-cutlass-dsl")}
+    return {dist: v for dist, v in versions.items() if v}
 
 
 def reference(x, w, b, dy, rms: bool):
@@ -163,10 +148,6 @@ def reference(x, w, b, dy, rms: bool):
     return out
 
 
-def rel(a, b) -> float:
-    return ((a.double() - b).norm() / b.norm()).item()
-
-
 def time_provider(fn, xs, dys, w, b, params):
     """do_bench medians (ms) of forward, backward (`y.backward(dy)` on a retained graph) and both."""
     sets = len(xs)
@@ -184,7 +165,7 @@ def time_provider(fn, xs, dys, w, b, params):
     return ms_fwd, ms_bwd, do_bench(step, grad_to_none=xs + params, return_mode="median")
 
 
-def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats, only=PROVIDERS):
+def bench_shape(m, n, rms, weight_dtype, max_autotune, copy, repeats, only=PROVIDERS):
     dtype = torch.bfloat16
     es = torch.tensor([], dtype=dtype).element_size()
     x_bytes = m * n * es
@@ -205,8 +186,8 @@ def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats, only=P
         try:
             y = fn(xs[0], w, b)
             gx, gw = torch.autograd.grad(y, (xs[0], w), dys[0])
-            row["err"] = dict(y=rel(y[:REF_ROWS], ref["y"]), dx=rel(gx[:REF_ROWS], ref["dx"]),
-                              dw=rel(gw, ref["dw"]))
+            row["err"] = dict(y=rel_err(y[:REF_ROWS], ref["y"]), dx=rel_err(gx[:REF_ROWS], ref["dx"]),
+                              dw=rel_err(gw, ref["dw"]))
             row["correct"] = all(e < 2e-2 for e in row["err"].values())
             del y, gx, gw
             timed.append((row, fn))
@@ -214,8 +195,8 @@ def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats, only=P
             row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     # Rounds over all providers in turn; each keeps its best median, so a stretch of host noise on
     # the (shared) CPU hits every provider alike instead of whichever happened to run then.
-    for _ in range(repeats):
-        for row, fn in list(timed):
+    for r in range(repeats):
+        for row, fn in turns(timed, r):
             try:
                 for key, ms in zip(("fwd", "bwd", "fwd_bwd"), time_provider(fn, xs, dys, w, b, params)):
                     row.setdefault(f"{key}_ms_rounds", []).append(ms)
@@ -228,8 +209,8 @@ def bench_shape(m, n, rms, weight_dtype, max_autotune, copy_gbs, repeats, only=P
             continue
         for key, nbytes in (("fwd", 2 * x_bytes), ("bwd", 3 * x_bytes), ("fwd_bwd", 5 * x_bytes)):
             row[f"{key}_ms"] = ms = min(row[f"{key}_ms_rounds"])
-            row[f"{key}_gbs"] = nbytes / ms / 1e6
-            row[f"{key}_of_copy"] = row[f"{key}_gbs"] / copy_gbs
+            row[f"{key}_gbs"] = gbs(nbytes, ms)
+            row[f"{key}_of_copy"] = row[f"{key}_gbs"] / copy
         print(f"  {row['provider']:28s} fwd {row['fwd_gbs']:7.0f} GB/s ({row['fwd_of_copy']:4.0%})  "
               f"bwd {row['bwd_gbs']:7.0f} GB/s ({row['bwd_of_copy']:4.0%})  "
               f"err y {row['err']['y']:.1e} dx {row['err']['dx']:.1e} dw {row['err']['dw']:.1e}"
@@ -252,8 +233,6 @@ def long_row_kernels() -> str:
     """Which long-row kernels shardnorm takes on this GPU: "staged" (Hopper's) or "portable"."""
     from shardnorm.kernels import config
 
-    if not hasattr(config, "specialized"):  # another checkout's shardnorm, timed by this harness for a before/after
-        return "unknown"
     return config.specialized(torch.device("cuda", torch.cuda.current_device())) or "portable"
 
 
@@ -278,12 +257,13 @@ def main(argv=None):
     groups = args.shapes or (["genai"] if args.quick else ["genai", "llama", "qk"])
     torch._dynamo.config.cache_size_limit = 1024
     torch._functorch.config.donated_buffer = False  # compiled backward is re-run with retain_graph
-    copy_gbs = copy_bandwidth()
+    copy = copy_gbs()
     props = torch.cuda.get_device_properties(0)
-    meta = dict(gpu=props.name, sm_count=props.multi_processor_count, date=datetime.date.today().isoformat(),
-                torch=torch.__version__, triton=triton.__version__, peers=peer_versions(), copy_gbs=copy_gbs,
-                shardnorm_long_rows=long_row_kernels(), repeats=args.repeats, command=" ".join([sys.executable.split("/")[-1]] + sys.argv))
-    print(f"{props.name}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
+    env = environment("cuda")
+    meta = dict(gpu=props.name, sm_count=props.multi_processor_count, date=env["date"], stack=env["stack"],
+                torch=env["torch"], triton=env["triton"], peers=peer_versions(), copy_gbs=copy,
+                shardnorm_long_rows=long_row_kernels(), repeats=args.repeats, command=command(__spec__.name, argv))
+    print(f"{props.name}: device-to-device copy {copy:.0f} GB/s", flush=True)
     weights = ["bfloat16"] if args.quick else args.weights.split(",")
     rows = []
     for norm in args.norms.split(","):
@@ -293,7 +273,7 @@ def main(argv=None):
         for wd in weights:
             for m, n in shapes:
                 print(f"{norm} M={m} N={n} weight={wd}", flush=True)
-                rows += bench_shape(m, n, norm == "rms", getattr(torch, wd), args.max_autotune, copy_gbs,
+                rows += bench_shape(m, n, norm == "rms", getattr(torch, wd), args.max_autotune, copy,
                                     args.repeats, args.providers)
                 torch.cuda.empty_cache()
                 with open(args.out, "w") as f:

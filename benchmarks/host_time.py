@@ -1,36 +1,49 @@
-"""Host (CPU) time per norm call at small shapes, where the GPU work is negligible.
+"""Host (CPU) time per norm call at small shapes, where the GPU's work is negligible.
 
-    python benchmarks/host_time.py --out OUT_DIR     # CUDA: every row; without CUDA, CPU tensors (torch backend)
+    python -m benchmarks.host_time --out DIR [--shapes 8x4096 8x1024] [--profile]    # CUDA, else CPU tensors
+    python -m benchmarks.host_time --dtensor --out DIR                               # CPU, a 1-rank gloo mesh
+    torchrun --nproc-per-node 2 -m benchmarks.host_time --dtensor --device cuda --out DIR   # 2 GPUs, NCCL
 
-Host time of one call: time.perf_counter around CALLS calls queued back to back (no sync inside the timed loop,
-one before and after), the median of ROUNDS rounds, the best of 3 such medians. The providers of a shape take
-turns round by round, so a slow stretch of the shared CPU falls on all of them. Rows, forward and
-forward+backward (`y.backward(dy)`): shardnorm's module against torch's `nn.RMSNorm` / `nn.LayerNorm` module,
-shardnorm's functional call against torch's `F.rms_norm` / `F.layer_norm`, Liger's module where importable, and
-shardnorm's autograd node taking the ops (`shardnorm_ops`: the way compiled graphs, dispatch modes and tensor
-subclasses reach the kernels, here in eager), what eager calls on plain tensors avoid by calling the launchers
-directly (ops.py says why); and both modules under `torch.compile(fullgraph=True)`
-(`*_module_compiled`): what a compiled graph pays per norm, shardnorm's ops against the norm Inductor
-generates (guards and the compiled-function wrappers, the same for both, included).
-Writes OUT_DIR/host_time.json and OUT_DIR/host_time.md.
+Plain tensors (default): shardnorm's module against torch's `nn.RMSNorm` / `nn.LayerNorm`, shardnorm's functional
+call against `F.rms_norm` / `F.layer_norm`, Liger's module where it imports, shardnorm's autograd node taking the ops
+(`shardnorm_ops`: the way compiled graphs, dispatch modes and tensor subclasses reach the kernels, here in eager),
+which eager calls on plain tensors avoid by calling the launchers directly (ops.py says why), and both modules
+under `torch.compile(fullgraph=True)` (`*_module_compiled`: what a compiled graph pays per norm, guards and the
+compiled-function wrappers included).
+
+`--dtensor`: sequence-parallel norms on DTensor `Shard(1)` inputs, each parallelized over the tp mesh as the main
+job does it: `torch_sp`, torch's `nn.RMSNorm` under `SequenceParallel` (with a residual, `norm(x + residual)`, the
+DTensor add included); `shardnorm_sp`, shardnorm's `RMSNorm` under `SequenceParallelNorm` without a reducer (the
+weight grad comes back `Partial`, as under the main job's FSDP2; the residual add fused); `shardnorm_sp_reducer`,
+the same with `attach_reducer`, inside `shardnorm.accumulate`: the reducer's per-call cost without its
+once-per-step all-reduce. No collective runs in the timed calls, so the ranks time independently.
+
+Host time of one call: time.perf_counter around CALLS calls queued back to back (a sync before and after, none
+inside), the median of ROUNDS rounds, the best of 3 such medians; forward, and forward+backward (`y.backward(dy)`).
+The providers of a case take turns round by round, so a slow stretch of the shared CPU falls on all of them.
+Writes DIR/host_time.{json,md} (`--dtensor`: DIR/host_time_dtensor.{json,md}, rank 0); `--profile` adds a cProfile
+of each provider's forward+backward, DIR/profile/<case>-<provider>.txt.
 """
 
 import argparse
+import contextlib
 import cProfile
 import io
-import json
 import os
 import pstats
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import shardnorm
+from benchmarks.common import command, environment, table, turns, write_json
 from shardnorm import ops
 
 SHAPES = ((8, 4096), (8, 1024), (4096, 128))
+DTENSOR_SHAPES = {"cuda": ((1, 16, 4096),), "cpu": ((1, 16, 64), (1, 16, 4096))}  # [batch, sequence, hidden]
 ROUNDS, CALLS = 7, 50
 
 
@@ -40,31 +53,29 @@ def sync():
 
 
 def host_us_interleaved(fns: dict, calls=CALLS, rounds=ROUNDS, best_of=3) -> dict:
-    """Host microseconds per call of each `name: fn`, the fns taking turns within every round (in an order
-    rotated round by round): best of `best_of` medians over `rounds` rounds of `calls` calls."""
-    names = list(fns)
+    """Host microseconds per call of each `name: fn`, the fns taking turns within every round: best of `best_of`
+    medians over `rounds` rounds of `calls` calls."""
     for fn in fns.values():  # warm-up: compile kernels, fill caches
         for _ in range(3):
             fn()
     best = {}
     for _ in range(best_of):
-        samples = {name: [] for name in names}
+        samples = {name: [] for name in fns}
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in turns(list(fns), r):
                 sync()
                 start = time.perf_counter()
                 for _ in range(calls):
                     fns[name]()
                 samples[name].append((time.perf_counter() - start) / calls * 1e6)
                 sync()
-        for name in names:
-            best[name] = min(best.get(name, float("inf")), statistics.median(samples[name]))
+        for name, times in samples.items():
+            best[name] = min(best.get(name, float("inf")), statistics.median(times))
     return best
 
 
 def profile_text(fn, calls: int = 200, top: int = 30) -> str:
-    """cProfile of `calls` calls of fn (after a warm-up): the `top` functions by own time, then by cumulative
-    time; where a provider's host time goes."""
+    """cProfile of `calls` calls of fn after a warm-up: the `top` functions by own time, then by cumulative time."""
     for _ in range(3):
         fn()
     sync()
@@ -82,15 +93,7 @@ def profile_text(fn, calls: int = 200, top: int = 30) -> str:
     return text.getvalue()
 
 
-def write_profiles(out: str, label: str, fns: dict) -> None:
-    """OUT/profile/<label>-<provider>.txt for each provider in `fns`."""
-    os.makedirs(os.path.join(out, "profile"), exist_ok=True)
-    for name in fns:
-        with open(os.path.join(out, "profile", f"{label}-{name}.txt"), "w") as f:
-            f.write(profile_text(fns[name]))
-
-
-def providers(rms: bool, n: int, device, dtype):
+def plain_providers(rms: bool, n: int, device, dtype) -> dict:
     ours = (shardnorm.RMSNorm if rms else shardnorm.LayerNorm)(n, device=device, dtype=dtype)
     theirs = (torch.nn.RMSNorm if rms else torch.nn.LayerNorm)(n, device=device, dtype=dtype)
     with torch.no_grad():
@@ -105,61 +108,187 @@ def providers(rms: bool, n: int, device, dtype):
         "shardnorm_functional": (lambda x: shardnorm.rms_norm(x, (n,), w)) if rms else
         (lambda x: shardnorm.layer_norm(x, (n,), w, b)),
         "torch_functional": (lambda x: F.rms_norm(x, (n,), w)) if rms else (lambda x: F.layer_norm(x, (n,), w, b)),
-        "shardnorm_ops": lambda x: ops._NormFunction.apply(x, w, b, None, 1e-6, rms, False, False),
+        # the private node with direct=False: the op route, timed in eager; a signature change fails this row only
+        "shardnorm_ops": lambda x: ops._NormFunction.apply(x, w, b, None, None, None, 1e-6, rms, False, False, None),
     }
     try:
-        if rms:
-            from liger_kernel.transformers import LigerRMSNorm
+        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
 
-            liger = LigerRMSNorm(n).to(device=device, dtype=dtype)
-        else:
-            from liger_kernel.transformers import LigerLayerNorm
-
-            liger = LigerLayerNorm(n).to(device=device, dtype=dtype)
-        result["liger_module"] = liger
+        result["liger_module"] = (LigerRMSNorm if rms else LigerLayerNorm)(n).to(device=device, dtype=dtype)
     except Exception:  # not installed, or no GPU
         pass
     return result
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--shapes", nargs="*", help="MxN (default 8x4096 8x1024 4096x128)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also write a cProfile of each provider's forward+backward to OUT/profile/")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
-    rows = []
+def plain_cases(shapes, device, dtype):
+    """(row fields, {provider: fn(x)}, inputs, dy, context) per norm and shape."""
     for rms in (True, False):
         for m, n in shapes:
             x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
             dy = torch.randn(m, n, device=device, dtype=dtype)
-            fns = providers(rms, n, device, dtype)
-            forward = host_us_interleaved({name: (lambda f=f: f(x)) for name, f in fns.items()})
-            steps = {name: (lambda f=f: f(x).backward(dy)) for name, f in fns.items()}
+            fields = {"norm": "rms" if rms else "ln", "m": m, "n": n, "shape": f"{m} x {n}"}
+            yield fields, plain_providers(rms, n, device, dtype), (x,), dy, contextlib.nullcontext()
+
+
+class _AddNorm(torch.nn.Module):
+    """torch's norm on x + residual: the main job's pre-norm step for torch's norms (parallel/model.py)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x, residual):
+        return self.norm(x + residual)
+
+
+def dtensor_providers(n: int, mesh, device, dtype, residual: bool) -> tuple:
+    """({provider: fn(x, residual)}, the module whose grads go to the reducer)."""
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    from shardnorm.distributed import SequenceParallelNorm, attach_reducer
+
+    def make(cls, style, reducer=False):
+        norm = cls(n, eps=1e-6, device=device, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.normal_(generator=torch.Generator(device).manual_seed(0))
+        norm = parallelize_module(norm, mesh, style)
+        if reducer:
+            attach_reducer(norm)
+        return norm
+
+    theirs = make(torch.nn.RMSNorm, SequenceParallel())
+    ours = make(shardnorm.RMSNorm, SequenceParallelNorm())
+    routed = make(shardnorm.RMSNorm, SequenceParallelNorm(), reducer=True)
+    if residual:
+        add = _AddNorm(theirs)
+        return {"torch_sp": lambda x, r: add(x, r), "shardnorm_sp": lambda x, r: ours(x, r)[0],
+                "shardnorm_sp_reducer": lambda x, r: routed(x, r)[0]}, routed
+    return {"torch_sp": lambda x, r: theirs(x), "shardnorm_sp": lambda x, r: ours(x),
+            "shardnorm_sp_reducer": lambda x, r: routed(x)}, routed
+
+
+def dtensor_cases(shapes, mesh, device, dtype):
+    """(row fields, {provider: fn(x, residual)}, inputs, dy, context) per shape, without and with a residual."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = mesh.size(), mesh.get_local_rank()
+    gen = torch.Generator(device).manual_seed(1234 + rank)
+    for b, s, n in shapes:
+        if s % world:
+            raise SystemExit(f"--shapes: sequence length {s} is not divisible by the {world} ranks")
+
+        def shard(requires_grad=False):
+            local = torch.randn(b, s // world, n, device=device, dtype=dtype, generator=gen)
+            return DTensor.from_local(local.requires_grad_(requires_grad), mesh, [Shard(1)], run_check=False)
+
+        for residual in (False, True):
+            x, r, dy = shard(True), shard(True) if residual else None, shard()
+            fns, routed = dtensor_providers(n, mesh, device, dtype, residual)
+            fields = {"norm": "add_rms" if residual else "rms", "b": b, "s": s, "n": n, "local_rows": b * s // world,
+                      "shape": f"{b} x {s} x {n} ({b * s // world})"}
+            yield fields, fns, (x, r), dy, shardnorm.accumulate(routed)
+
+
+def init_dtensor(device_type: str):
+    """The default process group (torchrun's, else a world of one), this rank's device and the tp mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.runtime import free_port
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device, init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def runnable(fns: dict, inputs: tuple, dy) -> dict:
+    """Why each provider whose forward+backward raises was left out (it is removed from `fns`)."""
+    failed = {}
+    for name, fn in list(fns.items()):
+        try:
+            fn(*inputs).backward(dy)
+        except Exception as e:  # a provider that fails is reported, not fatal
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            del fns[name]
+    return failed
+
+
+def measure(cases, out: Path, profile: bool, main: bool) -> list[dict]:
+    rows = []
+    for fields, fns, inputs, dy, context in cases:
+        with context:
+            failed = runnable(fns, inputs, dy)
+            forward = host_us_interleaved({name: (lambda f=f: f(*inputs)) for name, f in fns.items()})
+            steps = {name: (lambda f=f: f(*inputs).backward(dy)) for name, f in fns.items()}
             backward = host_us_interleaved(steps)
-            if args.profile:
-                write_profiles(args.out, f"{'rms' if rms else 'ln'}-{m}x{n}", steps)
-            for name in fns:
-                rows.append({"norm": "rms" if rms else "ln", "m": m, "n": n, "provider": name,
-                             "forward_us": forward[name], "forward_backward_us": backward[name]})
-                print(rows[-1], flush=True)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           "dtype": str(dtype)}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "host_time.json"), "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
-    lines = [f"Host us per call, {env['device']}, {dtype}, torch {env['torch']}", "",
-             "| norm | M x N | provider | forward | forward+backward |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['norm']} | {r['m']} x {r['n']} | {r['provider']} | {r['forward_us']:.1f} | "
-                     f"{r['forward_backward_us']:.1f} |")
-    with open(os.path.join(args.out, "host_time.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+            if profile and main:
+                (out / "profile").mkdir(parents=True, exist_ok=True)
+                label = f"{fields['norm']}-{'x'.join(str(fields[k]) for k in ('b', 's', 'm', 'n') if k in fields)}"
+                for name, step in steps.items():
+                    (out / "profile" / f"{label}-{name}.txt").write_text(profile_text(step))
+        rows += [{**fields, "provider": name, "failed": why} for name, why in failed.items()]
+        rows += [{**fields, "provider": name, "forward_us": forward[name], "forward_backward_us": backward[name]}
+                 for name in fns]
+        if main:
+            print("\n".join(map(str, rows[-len(failed) - len(fns):])), flush=True)
+    return rows
+
+
+def write(out: Path, name: str, rows: list[dict], env: dict, title: str, shape_header: str) -> None:
+    write_json(out / f"{name}.json", {"env": env, "rows": rows})
+    lines = [f"{title}, {env['device']}, {env['dtype']}, torch {env['torch']}", "", f"Command: `{env['command']}`", ""]
+    times = lambda r: ([f"{r['forward_us']:.1f}", f"{r['forward_backward_us']:.1f}"] if "failed" not in r  # noqa: E731
+                       else [f"failed: {r['failed']}", ""])
+    lines += table(["norm", shape_header, "provider", "forward", "forward+backward"],
+                   [[r["norm"], r["shape"], r["provider"], *times(r)] for r in rows])
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def parse_shape(text: str) -> tuple:
+    return tuple(map(int, text.split("x")))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--dtensor", action="store_true", help="sequence-parallel norms on DTensor Shard(1) inputs")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shapes", nargs="*", type=parse_shape,
+                        help="MxN (default 8x4096 8x1024 4096x128); --dtensor: BxSxN global, sharded on S "
+                             "(default 1x16x4096 on GPUs, also 1x16x64 on CPU)")
+    parser.add_argument("--profile", action="store_true", help="also write a cProfile of each provider to OUT/profile/")
+    args = parser.parse_args(argv)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.dtensor:
+        cases = plain_cases(args.shapes or SHAPES, torch.device(args.device), dtype)
+        rows = measure(cases, args.out, args.profile, True)
+        env = {**environment(args.device), "dtype": str(dtype), "command": command(__spec__.name, argv)}
+        write(args.out, "host_time", rows, env, "Host us per call", "M x N")
+        return
+    import torch.distributed as dist
+
+    device, mesh = init_dtensor(args.device)
+    main_rank = dist.get_rank() == 0
+    rows = measure(dtensor_cases(args.shapes or DTENSOR_SHAPES[args.device], mesh, device, dtype), args.out,
+                   args.profile, main_rank)
+    dist.barrier()
+    if main_rank:
+        env = {**environment(args.device, mesh.size()), "dtype": str(dtype), "world_size": mesh.size(),
+               "command": command(__spec__.name, argv)}
+        write(args.out, "host_time_dtensor", rows, env,
+              f"Host us per call, DTensor Shard(1) inputs on a {mesh.size()}-rank mesh", "B x S x N (local rows)")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Paired runs of the main job: variants A and B of one config, alternately on the same machine, K pairs.
 
-    python benchmarks/paired_train.py CONFIG --a "--norm torch" --b "--norm shardnorm" --pairs 5 --out DIR
-        [--nproc 2] [--common "train.steps=30 train.timing_skip=10"]
+    python -m benchmarks.paired_train CONFIG --a "--norm torch" --b "--norm shardnorm" --pairs 5 --out DIR
+        [--nproc 2] [--common "train.steps=30 train.timing_skip=10"] [--profile-step 12]
 
 Each run is `launch/train.sh CONFIG COMMON VARIANT train.out_dir=DIR/runs/pairK-X` (NPROC=--nproc; --runs RUNS puts
 the runs' folders and logs in RUNS instead of DIR/runs), in the order A, B, B, A, A, B, ...: odd pairs run A first,
@@ -17,6 +17,10 @@ DIR/paired_train.png; prints the table. Each run's log is DIR/runs/pairK-X.log. 
 benchmark (exit 1) with what was measured so far written. Whole-run speed claims about the main job are quoted
 from this script's output with its command (step-by-step alternation in one process group:
 benchmarks/sp_activation_memory.py).
+
+`--profile-step N` profiles step N of every run (`train.profile_step`, left out of the timed steps): each run's
+norm-grad all-reduces in that step and, on GPUs, their NCCL kernel time join the table, and pair 1's two rank-0
+traces are compared kernel by kernel and host op by host op in DIR/trace_kernels.md (benchmarks/trace_kernels.py).
 """
 
 import argparse
@@ -29,8 +33,12 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import trace_kernels
+from benchmarks.common import command, median_range, pyplot, save_figure, table, turns, write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("a", "b")
+PROFILED = ("norm_grad_all_reduces", "norm_grad_kernel_ms", "norm_grad_exposed_ms")  # a profiled step's, if any
 
 
 class RunFailed(RuntimeError):
@@ -55,7 +63,8 @@ def read_run(out_dir: Path) -> dict:
             "median_step_s": statistics.median(timed) if timed else summary["step_time_s"],
             "peak_mem_gib": summary["peak_mem_gib"], "final_loss": summary["final_loss"],
             "timed_steps": summary.get("timed_steps"), "device": summary.get("device"),
-            "memory_kind": summary.get("memory_kind"), "losses": [r["loss"] for r in records]}
+            "memory_kind": summary.get("memory_kind"), "losses": [r["loss"] for r in records],
+            **{k: summary[k] for k in PROFILED if k in summary}}
 
 
 def median_phases(steps: list[dict]) -> dict:
@@ -91,11 +100,11 @@ def summarize(pairs: list[dict]) -> dict:
     ratios = [p["b"]["step_time_s"] / p["a"]["step_time_s"] for p in pairs]
     median_step_ratios = [p["b"]["median_step_s"] / p["a"]["median_step_s"] for p in pairs]
     parity = [loss_parity(p["a"]["losses"], p["b"]["losses"]) for p in pairs]
+    spread = median_range(ratios)
     out = {"pairs": len(pairs), "ratios": ratios,
-           "median_ratio": statistics.median(ratios) if ratios else float("nan"),
-           "min_ratio": min(ratios, default=float("nan")), "max_ratio": max(ratios, default=float("nan")),
+           "median_ratio": spread["median"], "min_ratio": spread["min"], "max_ratio": spread["max"],
            "median_step_ratios": median_step_ratios,
-           "median_of_median_step_ratios": statistics.median(median_step_ratios) if pairs else float("nan"),
+           "median_of_median_step_ratios": median_range(median_step_ratios)["median"],
            "loss_max_rel_diff": max((q["max_rel_diff"] for q in parity), default=float("nan")),
            "loss_final_rel_diff": max((q["final_rel_diff"] for q in parity), default=float("nan"))}
     for v in VARIANTS:
@@ -114,7 +123,10 @@ def summarize(pairs: list[dict]) -> dict:
                   "final_loss_spread": (max(finals) - min(finals)) / abs(finals[0])
                   if len(finals) > 1 and finals[0] else 0.0,
                   "run_to_run_max_rel_diff": max((loss_parity(x, y)["max_rel_diff"] for i, x in enumerate(losses)
-                                                  for y in losses[i + 1:]), default=0.0)}
+                                                  for y in losses[i + 1:]), default=0.0),
+                  # a count per run: every run of a variant should issue the same
+                  "norm_grad_all_reduces": sorted({r["norm_grad_all_reduces"] for r in runs
+                                                   if "norm_grad_all_reduces" in r})}
     return out
 
 
@@ -129,15 +141,16 @@ def markdown(meta: dict, pairs: list[dict], summary: dict) -> str:
     lines = [f"# Paired main-job runs: {meta['config']}", "",
              f"A = `{a}`, B = `{b}`, common `{meta['common']}`, {meta['nproc'] or 'default'} processes, "
              f"run order A, B in odd pairs, B, A in even ones. Device: {meta.get('device')}.", "",
-             f"Command: `{meta['command']}`", "",
-             "| pair | A step ms | B step ms | B/A | B/A of median steps | A, B slowest/fastest step | A peak GiB |"
-             " B peak GiB | A final loss | B final loss | loss max rel diff |", "|---" * 11 + "|"]
+             f"Command: `{meta['command']}`", ""]
+    rows = []
     for i, (p, ratio, median) in enumerate(zip(pairs, summary["ratios"], summary["median_step_ratios"]), 1):
         q = loss_parity(p["a"]["losses"], p["b"]["losses"])
-        lines.append(f"| {i} | {p['a']['step_time_s'] * 1e3:.1f} | {p['b']['step_time_s'] * 1e3:.1f} | {ratio:.3f} | "
-                     f"{median:.3f} | {_within(p['a'])}, {_within(p['b'])} | {p['a']['peak_mem_gib']:.2f} | "
-                     f"{p['b']['peak_mem_gib']:.2f} | {p['a']['final_loss']:.4f} | "
-                     f"{p['b']['final_loss']:.4f} | {q['max_rel_diff']:.2e} |")
+        rows.append([i, f"{p['a']['step_time_s'] * 1e3:.1f}", f"{p['b']['step_time_s'] * 1e3:.1f}", f"{ratio:.3f}",
+                     f"{median:.3f}", f"{_within(p['a'])}, {_within(p['b'])}", f"{p['a']['peak_mem_gib']:.2f}",
+                     f"{p['b']['peak_mem_gib']:.2f}", f"{p['a']['final_loss']:.4f}", f"{p['b']['final_loss']:.4f}",
+                     f"{q['max_rel_diff']:.2e}"])
+    lines += table(["pair", "A step ms", "B step ms", "B/A", "B/A of median steps", "A, B slowest/fastest step",
+                    "A peak GiB", "B peak GiB", "A final loss", "B final loss", "loss max rel diff"], rows)
     lines += ["", f"Step time B/A: median **{summary['median_ratio']:.3f}**, range "
                   f"[{summary['min_ratio']:.3f}, {summary['max_ratio']:.3f}] over {summary['pairs']} pairs; of the "
                   f"median steps: median {summary['median_of_median_step_ratios']:.3f}, range "
@@ -152,6 +165,10 @@ def markdown(meta: dict, pairs: list[dict], summary: dict) -> str:
               f"B {summary['b']['final_loss_spread']:.1e}; largest step-by-step relative difference between two "
               f"runs of one variant: A {summary['a']['run_to_run_max_rel_diff']:.2e}, "
               f"B {summary['b']['run_to_run_max_rel_diff']:.2e}."]
+    counts = {v: summary[v].get("norm_grad_all_reduces") for v in VARIANTS}
+    if any(counts.values()):
+        lines.append(f"Norm-grad all-reduces in the profiled step: A {counts['a']}, B {counts['b']} "
+                     "(every run's count; one value where the runs agree).")
     lines += _phase_table(summary)
     return "\n".join(lines) + "\n"
 
@@ -162,24 +179,17 @@ def _phase_table(summary: dict) -> list[str]:
     phases = list(dict.fromkeys([*a, *b]))
     if not phases:
         return []
-    lines = ["", "Host time per step phase, ms (each run's median over its timed steps, then the median over runs; "
-                 "read without synchronizing, so `gpu_wait` is the host waiting on the GPU at the step's end):", "",
-             "| phase | A | B | B - A |", "|---|---|---|---|"]
-    for name in phases:
-        x, y = a.get(name, 0.0), b.get(name, 0.0)
-        lines.append(f"| {name} | {x:.1f} | {y:.1f} | {y - x:+.1f} |")
-    return lines
+    return ["", "Host time per step phase, ms (each run's median over its timed steps, then the median over runs; "
+                "read without synchronizing, so `gpu_wait` is the host waiting on the GPU at the step's end):", ""] + \
+        table(["phase", "A", "B", "B - A"], [[name, f"{a.get(name, 0.0):.1f}", f"{b.get(name, 0.0):.1f}",
+                                             f"{b.get(name, 0.0) - a.get(name, 0.0):+.1f}"] for name in phases])
 
 
 def plot(path: Path, meta: dict, pairs: list[dict], summary: dict) -> bool:
     """Step time per pair for A and B, and the ratio; False where matplotlib is missing."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     k = range(1, len(pairs) + 1)
     for v, style in zip(VARIANTS, ("o-", "s--")):
@@ -194,22 +204,27 @@ def plot(path: Path, meta: dict, pairs: list[dict], summary: dict) -> bool:
     for ax in (left, right):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
     return True
 
 
 def write(out: Path, meta: dict, pairs: list[dict], error: str | None = None) -> dict:
     summary = summarize(pairs)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "paired_train.json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "pairs": pairs, **({"error": error} if error else {})}, indent=1) + "\n")
+    write_json(out / "paired_train.json",
+               {"meta": meta, "summary": summary, "pairs": pairs, **({"error": error} if error else {})})
     text = markdown(meta, pairs, summary) + (f"\nStopped early: {error}\n" if error else "")
     (out / "paired_train.md").write_text(text)
     if pairs:
         plot(out / "paired_train.png", meta, pairs, summary)
     print(text, flush=True)
     return summary
+
+
+def write_trace(out: Path, runs: Path) -> None:
+    """OUT/trace_kernels.md: pair 1's two profiled steps (rank 0) side by side."""
+    traces = [runs / f"pair1-{v.upper()}" / "profile_rank0.json.gz" for v in VARIANTS]
+    (out / "trace_kernels.md").write_text(trace_kernels.compare(*map(str, traces)))
 
 
 def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, run=None, meta: dict | None = None,
@@ -223,8 +238,8 @@ def run_pairs(config: str, a: list[str], b: list[str], pairs: int, out: Path, ru
     done = []
     for k in range(1, pairs + 1):
         try:
-            order = zip(VARIANTS, (a, b)) if k % 2 else zip(VARIANTS[::-1], (b, a))
-            pair = {v: run(args, runs / f"pair{k}-{v.upper()}") for v, args in order}
+            arguments = dict(zip(VARIANTS, (a, b)))
+            pair = {v: run(arguments[v], runs / f"pair{k}-{v.upper()}") for v in turns(VARIANTS, k - 1)}
         except RunFailed as e:
             return done, str(e)
         done.append(pair)
@@ -248,21 +263,28 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, help="processes per run (NPROC of launch/train.sh; default: its own)")
     parser.add_argument("--common", default="", help="main-job arguments for both variants, e.g. train.steps=30")
     parser.add_argument("--runs", help="where each run's output folder and log go (default: OUT/runs)")
+    parser.add_argument("--profile-step", type=int, help="profile this step of every run (train.profile_step): "
+                        "norm-grad all-reduces per run, and OUT/trace_kernels.md from pair 1's traces")
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/paired"), help="output folder")
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error(f"--pairs must be at least 1, got {args.pairs}")
     for name in ("a", "b", "common"):
-        if "train.out_dir" in getattr(args, name):
-            parser.error(f"--{name}: train.out_dir is set per run by this script")
+        for key in ("train.out_dir", "train.profile_step"):
+            if key in getattr(args, name):
+                parser.error(f"--{name}: {key} is set per run by this script")
     a, b, common = shlex.split(args.a), shlex.split(args.b), shlex.split(args.common)
+    if args.profile_step:
+        common.append(f"train.profile_step={args.profile_step}")
     out = Path(args.out).resolve()
+    runs = Path(args.runs).resolve() if args.runs else out / "runs"
     meta = {"config": args.config, "a": args.a, "b": args.b, "common": args.common, "nproc": args.nproc,
-            "pairs_asked": args.pairs,
-            "command": shlex.join(["python", "benchmarks/paired_train.py", *(sys.argv[1:] if argv is None else argv)])}
+            "pairs_asked": args.pairs, "profile_step": args.profile_step, "command": command(__spec__.name, argv)}
     pairs, error = run_pairs(args.config, a, b, args.pairs, out, meta=meta, common=common, nproc=args.nproc,
-                             runs=Path(args.runs).resolve() if args.runs else None)
+                             runs=runs)
     summary = write(out, meta, pairs, error)
+    if args.profile_step and pairs:
+        write_trace(out, runs)
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 1

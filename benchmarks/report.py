@@ -1,6 +1,7 @@
-"""Turn bench_kernels.py JSON into the markdown table and the GB/s-vs-N plot.
+"""Turn bench_kernels JSON into the markdown table and the GB/s-vs-N plot.
 
-    python benchmarks/report.py bench_kernels-bf16-weights.json [more.json] --md bench_kernels.md --png bench_kernels.png
+    python -m benchmarks.report bench_kernels-bf16-weights.json [more.json] --md bench_kernels.md \
+        --png bench_kernels.png
 
 Cells are forward / backward GB/s; a provider whose output missed the float64 reference is marked
 "(wrong)" and never counts as the best peer. Peers get a column only where the JSON has them. A row's
@@ -15,6 +16,8 @@ import json
 import math
 import textwrap
 from collections import defaultdict
+
+from benchmarks.common import pyplot, save_figure, table
 
 PEERS = ("torch", "torch.compile", "torch.compile-max-autotune", "liger", "quack")
 
@@ -63,10 +66,7 @@ def markdown(meta, rows) -> str:
            f"Command: `{meta['command']}`.", ""]
     for (norm, wdtype), shapes in sorted(groups.items()):
         name = "RMSNorm" if norm == "rms" else "LayerNorm (with bias)"
-        out += [f"## {name}, {wdtype} weights", "",
-                "| M x N | shardnorm | fwd / bwd of copy | " + " | ".join(peers) + " | bwd vs best peer |",
-                "|---|---|---|" + "---|" * len(peers) + "---|"]
-        speedups, at_copy, notes = [], [], {}
+        speedups, at_copy, notes, cells = [], [], {}, []
         for (m, n), by_provider in sorted(shapes.items(), key=lambda kv: (kv[0][0] != 32768, kv[0][1])):
             ours = by_provider.get("shardnorm")
             peer = best_peer(by_provider, "bwd_gbs")
@@ -77,11 +77,11 @@ def markdown(meta, rows) -> str:
                        else "-")
             if ours and "fwd_of_copy" in ours and min(ours["fwd_of_copy"], ours["bwd_of_copy"]) >= 0.9:
                 at_copy.append(n)
-            out.append(f"| {m} x {n} | {cell(ours, notes)} | {of_copy} | "
-                       + " | ".join(cell(by_provider.get(p), notes) for p in peers)
-                       + f" | {f'{ratio:.2f}x' if ratio else '-'} |")
+            cells.append([f"{m} x {n}", cell(ours, notes), of_copy, *(cell(by_provider.get(p), notes) for p in peers),
+                          f"{ratio:.2f}x" if ratio else "-"])
         geo = math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else float("nan")
-        out.append("")
+        out += [f"## {name}, {wdtype} weights", ""]
+        out += table(["M x N", "shardnorm", "fwd / bwd of copy", *peers, "bwd vs best peer"], cells) + [""]
         if notes:
             out += [f"[{k}] {text}  " for text, k in notes.items()] + [""]
         out += [f"Backward geometric-mean speedup over the best correct peer: **{geo:.2f}x**; "
@@ -90,11 +90,9 @@ def markdown(meta, rows) -> str:
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
     for i, norm in enumerate(("rms", "layer")):
         for j, key in enumerate(("fwd_gbs", "bwd_gbs")):
@@ -116,7 +114,7 @@ def plot(rows, path):
     for row in axes:
         row[0].legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main():

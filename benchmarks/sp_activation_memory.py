@@ -12,23 +12,23 @@ plan, `--compile`, FSDP2 over a dp=1 mesh dim with bf16 compute and fp32 grad re
 Per rank: the bytes a forward leaves allocated (what the backward will read: activations plus the logits), the
 peak of a whole step over the allocation before it (GPU only), the step time as alternating pairs against the
 torch variant (GPU only: K rounds, each round one step of every variant in turn; the median of the per-round
-ratios and their range), the losses (shardnorm variants bitwise equal, torch within bf16 rounding), and the norm
+ratios and their range), the losses (shardnorm variants bitwise equal, torch within bf16 rounding), the norm
 weights' grads after the tp reduction against one fp32 process (torch reduces `Partial` grads in the params' dtype;
-shardnorm's reducer sums fp32 partials).
+shardnorm's reducer sums fp32 partials), and the norm-grad all-reduces of one more step, under torch.profiler
+(`parallel.collectives`: torch's one per norm parameter, shardnorm's reducer one per bucket; on GPUs also their
+NCCL kernel time and the part of it no compute kernel overlaps).
 Bytes on the CPU: every storage an op made during the forward, weakly held, counted if still alive after it (a
 dispatch mode: the norms take their op route there); on a GPU: `torch.cuda.memory_allocated`.
 
-    python benchmarks/sp_activation_memory.py --tp 2 4 8 --out DIR                    # CPU, gloo (accounting)
-    python benchmarks/sp_activation_memory.py --device cuda --tp 2 --dim 2048 --layers 8 --ffn 5632 \\
+    python -m benchmarks.sp_activation_memory --tp 2 4 8 --out DIR                    # CPU, gloo (accounting)
+    python -m benchmarks.sp_activation_memory --device cuda --tp 2 --dim 2048 --layers 8 --ffn 5632 \\
         --heads 16 --seq 2048 --batch 8 --dtype bfloat16 --pairs 10 --out DIR          # 2 GPUs, NCCL
 """
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -38,8 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # parallel/ runs from the checkout
-from parallel.runtime import free_port  # noqa: E402
+from benchmarks.common import command, environment, median_range, pyplot, rel_err, save_figure, table, write_json
+from parallel.collectives import profiled_collectives
+from parallel.runtime import free_port
 
 VARIANTS = ("torch", "shardnorm", "shardnorm_recompute")
 MIB = 2 ** 20
@@ -81,7 +82,7 @@ def _norm_grad_errors(models: dict, args, tokens, device) -> dict:
         for n, p in model.named_parameters():
             if n in ref_grads:
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                worst = max(worst, ((g.double() - ref_grads[n]).norm() / ref_grads[n].norm()).item())
+                worst = max(worst, rel_err(g, ref_grads[n]))
         errors[v] = worst
     return errors
 
@@ -167,6 +168,11 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
                 row["forward_bytes"].append(forward_bytes)
                 row["peak_bytes"].append(peak)
                 row["seconds"].append(seconds)
+    for v in VARIANTS:
+        with profiled_collectives(device.type == "cuda") as found:
+            _step(models[v], tokens, device)
+        rows[v]["collectives"] = {k: found.get(k) for k in ("norm_grad_all_reduces", "norm_grad_kernel_ms",
+                                                             "norm_grad_exposed_ms")}
     rows["norm_grad_rel_error"] = _norm_grad_errors(models, args, tokens, device)
     if rank == 0:
         queue.put(rows)
@@ -179,25 +185,25 @@ def _summary(tp: int, rows: dict, args) -> dict:
     torch_steps = rows["torch"]["seconds"]
     gathered_per_norm = args.batch * args.seq * args.dim * torch.finfo(getattr(torch, args.dtype)).bits // 8
     norms = 2 * args.layers + 1
-    out = dict(tp=tp, device=args.device, dtype=args.dtype, compile=args.compile, gathered_mib_per_norm=gathered_per_norm / MIB,
-               norms=norms, variants={})
+    out = dict(tp=tp, device=args.device, dtype=args.dtype, compile=args.compile,
+               gathered_mib_per_norm=gathered_per_norm / MIB, norms=norms, variants={})
     for v, row in rows.items():
-        ratios = [a / b for a, b in zip(row["seconds"], torch_steps)]
+        ratios = median_range([a / b for a, b in zip(row["seconds"], torch_steps)])
         out["variants"][v] = dict(
             forward_mib=statistics.median(row["forward_bytes"]) / MIB,
             peak_mib=statistics.median(row["peak_bytes"]) / MIB if args.device == "cuda" else None,
             step_ms=statistics.median(row["seconds"]) * 1e3,
-            step_ratio_vs_torch_median=statistics.median(ratios), step_ratio_range=[min(ratios), max(ratios)],
-            pair_ratios=ratios, losses=row["losses"], norm_grad_rel_error_vs_fp32=errors[v])
-    base = out["variants"]["shardnorm"]
-    out["saved_mib_recompute_vs_shardnorm"] = base["forward_mib"] - out["variants"]["shardnorm_recompute"]["forward_mib"]
-    out["saved_mib_recompute_vs_torch"] = (out["variants"]["torch"]["forward_mib"]
-                                           - out["variants"]["shardnorm_recompute"]["forward_mib"])
-    out["losses_bitwise_shardnorm_variants"] = base["losses"] == out["variants"]["shardnorm_recompute"]["losses"]
+            step_ratio_vs_torch_median=ratios["median"], step_ratio_range=[ratios["min"], ratios["max"]],
+            pair_ratios=[a / b for a, b in zip(row["seconds"], torch_steps)], losses=row["losses"],
+            norm_grad_rel_error_vs_fp32=errors[v], **row["collectives"])
+    base, recompute = out["variants"]["shardnorm"], out["variants"]["shardnorm_recompute"]
+    out["saved_mib_recompute_vs_shardnorm"] = base["forward_mib"] - recompute["forward_mib"]
+    out["saved_mib_recompute_vs_torch"] = out["variants"]["torch"]["forward_mib"] - recompute["forward_mib"]
+    out["losses_bitwise_shardnorm_variants"] = base["losses"] == recompute["losses"]
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
@@ -212,8 +218,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    meta = {**environment(args.device, max(args.tp) if args.device == "cuda" else 1),
+            "command": command(__spec__.name, argv)}
     results = []
     for tp in args.tp:
         if args.device == "cuda" and tp > torch.cuda.device_count():
@@ -222,38 +230,44 @@ def main() -> None:
         queue = mp.get_context("spawn").SimpleQueue()
         mp.spawn(_rank, args=(tp, free_port(), args, queue), nprocs=tp, join=True)
         results.append(_summary(tp, queue.get(), args))
-        (args.out / "sp_activation_memory.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)},
-                                                                            results=results), indent=1))
+        write_json(args.out / "sp_activation_memory.json",
+                   dict(meta=meta, args=vars(args) | {"out": str(args.out)}, results=results))
         r = results[-1]
         print(f"tp={tp}: forward MiB torch {r['variants']['torch']['forward_mib']:.2f}, shardnorm "
               f"{r['variants']['shardnorm']['forward_mib']:.2f}, recompute "
               f"{r['variants']['shardnorm_recompute']['forward_mib']:.2f} (gathered norm output "
               f"{r['gathered_mib_per_norm']:.2f} MiB x {r['norms']} norms)", flush=True)
-    _write_markdown(results, args)
+    _write_markdown(results, args, meta)
 
 
-def _write_markdown(results: list, args) -> None:
-    lines = ["| tp | variant | forward MiB / rank | saved vs torch | peak MiB | step ms | step / torch (median, range) "
-             "| norm-grad rel. error vs fp32 |", "|---|---|---|---|---|---|---|---|"]
+def _collectives(row: dict) -> str:
+    """Norm-grad all-reduces in a step, with their NCCL kernel ms (exposed ms) where the GPU was profiled."""
+    count = row.get("norm_grad_all_reduces")
+    if row.get("norm_grad_kernel_ms") is None:
+        return "-" if count is None else str(count)
+    return f"{count} ({row['norm_grad_kernel_ms']:.2f} ms, {row['norm_grad_exposed_ms']:.2f} exposed)"
+
+
+def _write_markdown(results: list, args, meta: dict) -> None:
+    rows = []
     for r in results:
         base = r["variants"]["torch"]["forward_mib"]
         for v, row in r["variants"].items():
-            peak = f"{row['peak_mib']:.0f}" if row["peak_mib"] is not None else "-"
             lo, hi = row["step_ratio_range"]
-            lines.append(f"| {r['tp']} | {v} | {row['forward_mib']:.2f} | {base - row['forward_mib']:.2f} | {peak} | "
-                         f"{row['step_ms']:.1f} | {row['step_ratio_vs_torch_median']:.3f} ({lo:.3f}-{hi:.3f}) | "
-                         f"{row['norm_grad_rel_error_vs_fp32']:.2e} |")
-    lines.append("")
-    lines.append(f"Gathered norm output per norm: {results[0]['gathered_mib_per_norm']:.2f} MiB; "
-                 f"{results[0]['norms']} norms. Shardnorm variants' losses bitwise equal: "
-                 f"{all(r['losses_bitwise_shardnorm_variants'] for r in results)}.")
+            rows.append([r["tp"], v, f"{row['forward_mib']:.2f}", f"{base - row['forward_mib']:.2f}",
+                         f"{row['peak_mib']:.0f}" if row["peak_mib"] is not None else "-", f"{row['step_ms']:.1f}",
+                         f"{row['step_ratio_vs_torch_median']:.3f} ({lo:.3f}-{hi:.3f})",
+                         f"{row['norm_grad_rel_error_vs_fp32']:.2e}", _collectives(row)])
+    lines = [f"{meta['device']}, torch {meta['torch']}. Command: `{meta['command']}`", ""]
+    lines += table(["tp", "variant", "forward MiB / rank", "saved vs torch", "peak MiB", "step ms",
+                    "step / torch (median, range)", "norm-grad rel. error vs fp32", "norm-grad all-reduces / step"],
+                   rows)
+    lines += ["", f"Gathered norm output per norm: {results[0]['gathered_mib_per_norm']:.2f} MiB; "
+                  f"{results[0]['norms']} norms. Shardnorm variants' losses bitwise equal: "
+                  f"{all(r['losses_bitwise_shardnorm_variants'] for r in results)}."]
     (args.out / "sp_activation_memory.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     tps = [r["tp"] for r in results]
@@ -265,7 +279,7 @@ def _write_markdown(results: list, args) -> None:
     ax.legend()
     ax.set_title(f"SP activation memory ({args.device}, {args.dtype})")
     fig.tight_layout()
-    fig.savefig(args.out / "sp_activation_memory.png", dpi=120)
+    save_figure(fig, args.out / "sp_activation_memory.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """GPU time by kernel name in the main job's profiled step, for two runs side by side.
 
-    python benchmarks/trace_kernels.py RUN_A/profile_rank0.json.gz RUN_B/profile_rank0.json.gz [--top 30] [--md OUT]
+    python -m benchmarks.trace_kernels RUN_A/profile_rank0.json.gz RUN_B/profile_rank0.json.gz [--top 30] [--md OUT]
 
 Each trace is what `train.profile_step=N` writes (parallel/collectives.py): one step under torch.profiler. Per
 run: the GPU's span (first kernel start to last kernel end) and busy time (kernels of every stream merged),
@@ -8,19 +8,18 @@ NCCL kernels apart from compute; per kernel name (Triton and Inductor names kept
 count instances dropped): calls and total ms in each run, the `--top` names by the larger of the two totals.
 Kernel time says where the GPU spends the step; a longer span at equal busy time is time the GPU waited (on
 the host or on a peer). Then the host side: CPU ops and profiler ranges by name (inclusive time, so nested ones
-count in their parents too), the `--top` names whose totals differ most between the runs.
+count in their parents too), the `--top` names whose totals differ most between the runs. `paired_train
+--profile-step N` writes this table for its first pair.
 """
 
 import argparse
 import gzip
 import json
 import re
-import sys
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the main job's parallel/
-from parallel.collectives import busy_ms, span_ms  # noqa: E402
+from benchmarks.common import table
+from parallel.collectives import busy_ms, span_ms
 
 HOST = ("cpu_op", "user_annotation")
 
@@ -60,6 +59,35 @@ def by_name(events: list[dict], name=name_of) -> dict:
     return out
 
 
+def _side_by_side(names: dict, keys: list) -> list[list]:
+    """Per name: calls and ms in A and in B, and B's ms minus A's."""
+    rows = []
+    for n in keys:
+        (ca, ta), (cb, tb) = names["A"].get(n, (0, 0.0)), names["B"].get(n, (0, 0.0))
+        rows.append([f"`{n[:90]}`", ca, f"{ta:.2f}", cb, f"{tb:.2f}", f"{tb - ta:+.2f}"])
+    return rows
+
+
+def compare(a: str, b: str, top: int = 30) -> str:
+    """The markdown tables of two traces: GPU summary, kernels by name, host ops by name."""
+    runs = {"A": load(a), "B": load(b)}
+    host = {"A": by_name(load(a, HOST), host_name), "B": by_name(load(b, HOST), host_name)}
+    lines = [f"A: `{a}`, B: `{b}`", ""]
+    lines += table(["", *summary([])], [[label, *(f"{v:.1f}" if isinstance(v, float) else v
+                                                  for v in summary(kernels).values())]
+                                        for label, kernels in runs.items()])
+    names = {label: by_name(kernels) for label, kernels in runs.items()}
+    keys = sorted(set(names["A"]) | set(names["B"]),
+                  key=lambda n: -max(names["A"].get(n, (0, 0.0))[1], names["B"].get(n, (0, 0.0))[1]))
+    lines += [""] + table(["kernel", "A calls", "A ms", "B calls", "B ms", "B - A ms"],
+                          _side_by_side(names, keys[:top]))
+    keys = sorted(set(host["A"]) | set(host["B"]),
+                  key=lambda n: -abs(host["B"].get(n, (0, 0.0))[1] - host["A"].get(n, (0, 0.0))[1]))
+    lines += [""] + table(["host op or range", "A calls", "A ms", "B calls", "B ms", "B - A ms"],
+                          _side_by_side(host, keys[:top]))
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("a")
@@ -67,26 +95,7 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--md", help="also write the tables here")
     args = parser.parse_args(argv)
-    runs = {"A": load(args.a), "B": load(args.b)}
-    host = {"A": by_name(load(args.a, HOST), host_name), "B": by_name(load(args.b, HOST), host_name)}
-    lines = [f"A: `{args.a}`, B: `{args.b}`", "", "| | " + " | ".join(summary([]).keys()) + " |",
-             "|---" * (len(summary([])) + 1) + "|"]
-    for label, kernels in runs.items():
-        lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v)
-                                                 for v in summary(kernels).values()) + " |")
-    names = {label: by_name(kernels) for label, kernels in runs.items()}
-    keys = sorted(set(names["A"]) | set(names["B"]),
-                  key=lambda n: -max(names["A"].get(n, (0, 0.0))[1], names["B"].get(n, (0, 0.0))[1]))
-    lines += ["", "| kernel | A calls | A ms | B calls | B ms | B - A ms |", "|---|---|---|---|---|---|"]
-    for n in keys[:args.top]:
-        (ca, ta), (cb, tb) = names["A"].get(n, (0, 0.0)), names["B"].get(n, (0, 0.0))
-        lines.append(f"| `{n}` | {ca} | {ta:.2f} | {cb} | {tb:.2f} | {tb - ta:+.2f} |")
-    lines += ["", "| host op or range | A calls | A ms | B calls | B ms | B - A ms |", "|---|---|---|---|---|---|"]
-    for n in sorted(set(host["A"]) | set(host["B"]),
-                    key=lambda n: -abs(host["B"].get(n, (0, 0.0))[1] - host["A"].get(n, (0, 0.0))[1]))[:args.top]:
-        (ca, ta), (cb, tb) = host["A"].get(n, (0, 0.0)), host["B"].get(n, (0, 0.0))
-        lines.append(f"| `{n[:90]}` | {ca} | {ta:.2f} | {cb} | {tb:.2f} | {tb - ta:+.2f} |")
-    text = "\n".join(lines) + "\n"
+    text = compare(args.a, args.b, args.top)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text)

@@ -1,7 +1,7 @@
 """benchmarks/paired_train.py without launching the job: a fake runner writes what the main job writes
 (summary.json, metrics.jsonl), and the script's parsing, order, statistics and files are checked against them."""
 
-import importlib.util
+import gzip
 import json
 import random
 import statistics
@@ -9,10 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("paired_train", ROOT / "benchmarks" / "paired_train.py")
-paired_train = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(paired_train)
+from benchmarks import paired_train
 
 
 def _fake_job(out_dir: Path, step_time_s: float, peak: float, losses: list[float], slow: float = 1.0,
@@ -66,7 +63,7 @@ def test_pairs_run_alternately_and_ratios_median_range_memory_parity_come_from_e
     assert order == [(v, f"pair{i}-{v.upper()}") for i in range(1, k + 1) for v in ("ab" if i % 2 else "ba")], \
         f"run order: {order}"
     meta = {"config": "cfg.toml", "a": "--norm torch", "b": "--norm shardnorm", "common": "", "nproc": 2,
-            "command": "benchmarks/paired_train.py cfg.toml ..."}
+            "command": "python -m benchmarks.paired_train cfg.toml ..."}
     summary = paired_train.write(tmp_path, meta, pairs)
     n = len(base) - 1  # timed steps: the last one slow
     means = {v: [t * (n - 1 + s) / n for t, s in zip(times[v], slow[v])] for v in "ab"}
@@ -125,6 +122,9 @@ def test_the_command_line_refuses_what_it_sets_itself(capsys):
         paired_train.main(["cfg.toml", "--a", "--norm torch", "--b", "train.out_dir=x", "--pairs", "2"])
     assert "train.out_dir" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        paired_train.main(["cfg.toml", "--a", "--norm torch", "--b", "train.profile_step=3"])
+    assert "train.profile_step" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         paired_train.main(["cfg.toml", "--a", "", "--b", "", "--pairs", "0"])
     assert "--pairs" in capsys.readouterr().err
 
@@ -133,3 +133,26 @@ def test_run_command_is_the_launcher_with_common_and_variant_arguments(tmp_path)
     cmd = paired_train.run_command("configs/tiny_cpu.toml", ["train.steps=4"], ["--norm", "torch"], tmp_path / "r")
     assert cmd[1].endswith("launch/train.sh") and cmd[2:5] == ["configs/tiny_cpu.toml", "train.steps=4", "--norm"]
     assert cmd[-1] == f'train.out_dir="{tmp_path / "r"}"'
+
+
+def test_a_profiled_step_adds_each_runs_norm_grad_all_reduces_and_pair_1s_traces(tmp_path):
+    def run(variant_args, out_dir):
+        _fake_job(out_dir, 0.1, 1.0, [3.0, 2.0])
+        summary = json.loads((out_dir / "summary.json").read_text())
+        summary["norm_grad_all_reduces"] = 5 if variant_args == ["--norm", "torch"] else 1
+        (out_dir / "summary.json").write_text(json.dumps(summary))
+        trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "norm_fwd_kernel", "ts": 0, "dur": 7}]}
+        with gzip.open(out_dir / "profile_rank0.json.gz", "wt") as f:
+            json.dump(trace, f)
+        return paired_train.read_run(out_dir)
+
+    pairs, error = paired_train.run_pairs("cfg.toml", ["--norm", "torch"], ["--norm", "shardnorm"], 2, tmp_path,
+                                          run=run)
+    meta = {"config": "cfg.toml", "a": "--norm torch", "b": "--norm shardnorm", "common": "", "nproc": 2,
+            "command": "python -m benchmarks.paired_train cfg.toml --profile-step 2"}
+    summary = paired_train.write(tmp_path, meta, pairs)
+    assert error is None
+    assert (summary["a"]["norm_grad_all_reduces"], summary["b"]["norm_grad_all_reduces"]) == ([5], [1])
+    assert "Norm-grad all-reduces in the profiled step: A [5], B [1]" in (tmp_path / "paired_train.md").read_text()
+    paired_train.write_trace(tmp_path, tmp_path / "runs")
+    assert "| `norm_fwd_kernel` | 1 | 0.01 | 1 | 0.01 | +0.00 |" in (tmp_path / "trace_kernels.md").read_text()

@@ -3,19 +3,13 @@ fields and `benchmarks/trace_kernels.py`, on synthetic traces with random kernel
 the microseconds the GPU is busy."""
 
 import gzip
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
+from benchmarks import trace_kernels
 from parallel.collectives import summarize_trace
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("trace_kernels", ROOT / "benchmarks" / "trace_kernels.py")
-trace_kernels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace_kernels)
 
 NAMES = ("triton_poi_fused_add_3", "triton_poi_fused_add_7", "norm_fwd_kernel", "ncclDevKernel_AllGather_RING_LL",
          "nvjet_sm90_tst_256x128(int)")
