@@ -74,6 +74,26 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         numpy.random.set_state(states["numpy"])
 
 
+def resume_hint(cfg: Config) -> str:
+    """What running the same command again does, for a run that stopped early: which checkpoint it resumes
+    from (the one `checkpoint.load` names, else the latest complete one in `checkpoint.dir`), or that it starts
+    over."""
+    c = cfg.checkpoint
+    latest = store.latest(c.dir, warn=lambda message: None) if c.dir else None
+    if c.load:
+        loaded, info = store.resolve(c.load, warn=lambda message: None)
+        hint = f"the same command resumes from {loaded} (step {info['step']}, checkpoint.load) again"
+        if latest and latest[0] != loaded:
+            hint += f"; without checkpoint.load it resumes from {latest[0]} (step {latest[1]['step']})"
+        return hint
+    if not c.dir:
+        return ("checkpoint.dir is not set, so there is no checkpoint: the same command starts over "
+                "(checkpoint.dir=DIR checkpoint.every=N makes a run resumable)")
+    if latest is None:
+        return f"no checkpoint in {c.dir} yet: the same command starts over"
+    return f"the last checkpoint is {latest[0]} (step {latest[1]['step']}): the same command resumes from it"
+
+
 class Checkpointer:
     """Saves every `checkpoint.every` steps (and at the end) into `checkpoint.dir`; resumes from
     `checkpoint.load` or the latest complete checkpoint in `checkpoint.dir`."""

@@ -64,7 +64,7 @@ class TrainConfig:
     check_rtol: float = 1e-4  # allowed max relative loss difference for `check`
     timing_skip: int = 2  # first steps left out of the summary's throughput (warm-up, compile)
     profile_step: int = 0  # profile this step's norm-grad all-reduces (count, time); 0: none
-    out_dir: str = ""  # empty: runs/<config name>-<engine>-<norm>[-compile]
+    out_dir: str = ""  # empty: runs/<config name>-<engine>-<norm>[-compile][-check]
     tensorboard: bool = False  # also log the metrics to out_dir/tensorboard (needs tensorboard)
 
 
@@ -100,7 +100,8 @@ class Config:
     def out_dir(self) -> Path:
         if self.train.out_dir:
             return Path(self.train.out_dir)
-        suffix = "-compile" if self.train.compile else ""
+        # a --check run has a folder of its own: it must not overwrite the plain run's files
+        suffix = ("-compile" if self.train.compile else "") + ("-check" if self.train.check else "")
         return Path("runs") / f"{self.name}-{self.parallel.engine}-{self.train.norm}{suffix}"
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
@@ -246,7 +247,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         epilog="Overrides: section.key=value, values in TOML syntax (train.lr=1e-3, "
                "train.compile=true, data.path=\"corpus.txt\"); bare words are strings.")
     parser.add_argument("config", help="TOML file, e.g. configs/tiny_cpu.toml")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="optional overrides of the config's values, e.g. train.steps=20")
     parser.add_argument("--norm", choices=CHOICES["train.norm"], help="same as train.norm=…")
     parser.add_argument("--check", action="store_true", help="same as train.check=true")
     parser.add_argument("--compile", action="store_true", help="same as train.compile=true")

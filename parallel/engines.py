@@ -119,7 +119,7 @@ class DeepSpeedEngine:
     shardnorm.integrations.deepspeed.initialize applies to the model's torch norms."""
 
     def __init__(self, model: nn.Module, train: TrainConfig, ds_config_path: str,
-                 micro_batch_size: int):
+                 micro_batch_size: int, keep_output: bool = True):
         import shardnorm.integrations.deepspeed
 
         config = json.loads(open(ds_config_path).read())
@@ -133,7 +133,10 @@ class DeepSpeedEngine:
                       gradient_accumulation_steps=train.grad_accum,
                       gradient_clipping=train.max_grad_norm)
         config.setdefault("bf16", {})["enabled"] = train.dtype == "bfloat16"
-        config.setdefault("shardnorm", {})["enabled"] = train.norm == "shardnorm"
+        section = config.setdefault("shardnorm", {})
+        section["enabled"] = train.norm == "shardnorm"
+        if section["enabled"]:  # model.norm_keep_output, which the summary reports, over the JSON's
+            section["keep_output"] = keep_output
         optimizer, scheduler = build_optimizer(model, train)
         self.engine, self.optimizer, _, self.scheduler = shardnorm.integrations.deepspeed.initialize(
             model=model, config=config, optimizer=optimizer, lr_scheduler=scheduler)

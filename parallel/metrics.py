@@ -31,7 +31,8 @@ def format_step(record: dict) -> str:
 
 
 def format_summary(s: dict) -> str:
-    return (f"summary: norm={s['norm']} keep_output={s.get('norm_keep_output', True)} engine={s['engine']} "
+    keep_output = f" keep_output={s['norm_keep_output']}" if "norm_keep_output" in s else ""  # shardnorm's only
+    return (f"summary: norm={s['norm']}{keep_output} engine={s['engine']} "
             f"dp={s['dp']} tp={s['tp']} "
             f"compile={s['compile']} dtype={s['dtype']} | {s['tokens_per_s']:,.0f} tokens/s  "
             f"step {s['step_time_s'] * 1e3:.1f} ms  peak {s['peak_mem_gib']:.2f} GiB "

@@ -6,18 +6,26 @@ or directly `torchrun --nproc-per-node N -m parallel.train CONFIG ...` from the 
 Rank 0 logs every step and writes metrics.jsonl, summary.json and loss.png to the output dir;
 `--check` then re-runs the same steps in one process with torch norms and compares the losses.
 With `checkpoint.dir=D` it saves to D (every `checkpoint.every` steps) and, started again, resumes
-from the latest complete checkpoint there (parallel/checkpoint.py).
+from the latest complete checkpoint there (parallel/checkpoint.py). Stopped by SIGINT or SIGTERM, rank 0
+says which checkpoint the same command would resume from, and the job exits with 128 + the signal's number.
 """
 
-import contextlib
-import os
-import sys
-import warnings
+from parallel.stop import Stopped, StopSignals
 
-import torch
+# Run as the job: from here on, before the imports (seconds of them), a stop ends the run with one line
+# saying how to resume (main()).
+STOP = StopSignals() if __name__ == "__main__" else None
+
+import contextlib  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
 
-from parallel.checkpoint import Checkpointer
+from parallel.checkpoint import Checkpointer, resume_hint
 from parallel.checkpoint_store import CheckpointError
 from parallel.collectives import profiled_collectives
 from parallel.config import Config, ConfigError, parse_args
@@ -40,8 +48,8 @@ def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
                     sum(p.numel() for p in model.parameters()) / 1e6, cfg.train.norm,
                     cfg.parallel.engine, dp, tp, runtime.device)
     if deepspeed:
-        return DeepSpeedEngine(model, cfg.train, cfg.parallel.deepspeed_config,
-                               cfg.data.batch_size), runtime.rank
+        return DeepSpeedEngine(model, cfg.train, cfg.parallel.deepspeed_config, cfg.data.batch_size,
+                               keep_output=cfg.model.norm_keep_output), runtime.rank
     mesh = init_device_mesh(runtime.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     engine = TorchEngine(parallelize(model, mesh, cfg.train), cfg.train,
                          norm_reducer=uses_norm_reducer(cfg.train.norm, tp))
@@ -60,6 +68,10 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
     phase = CollectivePhase(cfg.parallel.timeout_s, runtime.rank)
     with phase("resuming from a checkpoint"):
         first_step = checkpointer.resume(engine, sampler) + 1
+    if cfg.train.compile and runtime.is_main and first_step <= cfg.train.steps:
+        # else the first step is silent for as long as it compiles
+        logger.info("torch.compile: step %d compiles the blocks first (tiny_cpu on 2 CPU cores: 0.5 to 2 min; "
+                    "longer for larger models), the steps after it run compiled", first_step)
     metrics.start(first_step)
     tokens_per_step = dp * cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum
     for step in range(first_step, cfg.train.steps + 1):
@@ -112,7 +124,28 @@ def check(records: list[dict], reference: list[float], rtol: float) -> dict:
     return {"check_max_rel_diff": worst, "check_rtol": rtol, "check_passed": passed}
 
 
+def report(cfg: Config, runtime: Runtime, metrics: MetricsLogger, world_size: int, dp: int, tp: int,
+           collectives: dict) -> None:
+    """Rank 0 after training: the summary, with --check the single-process comparison, and the files."""
+    summary = metrics.summarize(cfg.train.timing_skip, {
+        "config": cfg.name, "norm": cfg.train.norm,
+        # torch's norms have no such option: the key is left out for them
+        **({"norm_keep_output": cfg.model.norm_keep_output} if cfg.train.norm == "shardnorm" else {}),
+        "engine": cfg.parallel.engine,
+        "world_size": world_size, "dp": dp, "tp": tp, "compile": cfg.train.compile,
+        "dtype": cfg.train.dtype, "device": str(runtime.device),
+        "memory_kind": runtime.memory_kind, **collectives})
+    reference = None
+    if cfg.train.check:
+        reference = reference_losses(cfg, runtime.device, dp)
+        summary.update(check(metrics.records, reference, cfg.train.check_rtol))
+    metrics.finish(summary, reference)
+    if not summary.get("check_passed", True):
+        sys.exit(1)
+
+
 def main() -> None:
+    stop = STOP or StopSignals()
     # Under TP the root returns its logits as a view of the local shard; the loss never modifies
     # them in place, which is what FSDP2 warns about.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -124,37 +157,38 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    runtime = init_runtime(deepspeed=cfg.parallel.engine == "deepspeed",
-                           timeout_s=cfg.parallel.timeout_s)
-    setup_logging(runtime.is_main)
-    metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main, cfg.train.tensorboard)
+    metrics = None
     try:
+        stop.arm()
+        runtime = init_runtime(deepspeed=cfg.parallel.engine == "deepspeed",
+                               timeout_s=cfg.parallel.timeout_s)
+        setup_logging(runtime.is_main)
+        metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main, cfg.train.tensorboard)
         collectives = train(cfg, runtime, metrics, dp, tp)
+        shutdown()
+        if runtime.is_main and metrics.records:
+            report(cfg, runtime, metrics, world_size, dp, tp, collectives)
     except CheckpointError as e:
         shutdown(wait_for_peers=False)
         if runtime.is_main:
             print(f"checkpoint error: {e}", file=sys.stderr)
         sys.exit(2)
-    except BaseException:
-        shutdown(wait_for_peers=False)  # the launcher stops the other ranks
-        raise
-    shutdown()
-    if not runtime.is_main or not metrics.records:
-        return
-    summary = metrics.summarize(cfg.train.timing_skip, {
-        "config": cfg.name, "norm": cfg.train.norm, "norm_keep_output": cfg.model.norm_keep_output,
-        "engine": cfg.parallel.engine,
-        "world_size": world_size, "dp": dp, "tp": tp, "compile": cfg.train.compile,
-        "dtype": cfg.train.dtype, "device": str(runtime.device),
-        "memory_kind": runtime.memory_kind, **collectives})
-    reference = None
-    if cfg.train.check:
-        reference = reference_losses(cfg, runtime.device, dp)
-        summary.update(check(metrics.records, reference,
-                             cfg.train.check_rtol))
-    metrics.finish(summary, reference)
-    if not summary.get("check_passed", True):
-        sys.exit(1)
+    except BaseException as error:
+        try:
+            shutdown(wait_for_peers=False)  # the launcher stops the other ranks
+            # a collective that failed because a peer has left: that peer may have been stopped before this rank
+            peer_gone = isinstance(error, RuntimeError) and world_size > 1
+            signum = stop.wait(5) if peer_gone else stop.signum
+        except Stopped:  # the signal came during the above
+            signum = stop.signum
+        if signum is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            done = metrics.records[-1]["step"] if metrics and metrics.records else 0
+            logger.warning("stopped by %s %s; %s", signal.Signals(signum).name,
+                           f"after step {done} of {cfg.train.steps}" if done else "before the first step",
+                           resume_hint(cfg))
+        sys.exit(128 + signum)  # the shell's code for a process ended by the signal
 
 
 if __name__ == "__main__":

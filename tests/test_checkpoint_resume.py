@@ -29,6 +29,9 @@ pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "configs/tiny_cpu.toml"
+# Limits for a hung job, not a slow one: these jobs take under a minute on a quiet 2-core machine and
+# several times that while other jobs share it.
+HUNG_S = 1800
 STEPS = 8
 SMALL = ["model.dim=48", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
          "model.ffn_dim=80", "model.max_seq_len=32", "data.seq_len=32", "data.batch_size=4",
@@ -46,9 +49,8 @@ def job_args(tmp: Path, *extra: str) -> list[str]:
             f"train.out_dir={json.dumps(str(tmp / 'out'))}", *extra]
 
 
-def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=ROOT, env=env(), text=True, capture_output=True,
-                            timeout=timeout)
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=ROOT, env=env(), text=True, capture_output=True, timeout=HUNG_S)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
@@ -107,22 +109,30 @@ def copy_checkpoint(reference: Path, step: int, tmp: Path) -> None:
     shutil.copytree(store.step_dir(reference / "ck", step), store.step_dir(tmp / "ck", step))
 
 
+def start_until_checkpoint(cmd: list[str], tmp: Path, step: int) -> subprocess.Popen:
+    """Start `cmd` (in a session of its own, its output in tmp/first.log) and return once its checkpoint of
+    `step` is complete. The job runs at the lowest priority, so that on a busy machine this process still sees
+    the checkpoint appear (and can stop the job) before the job has finished its remaining steps."""
+    log = open(tmp / "first.log", "w")
+    job = subprocess.Popen(["nice", "-n", "19", *cmd], cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    deadline = time.monotonic() + HUNG_S
+    while not (store.step_dir(tmp / "ck", step) / store.MARKER).exists():
+        assert job.poll() is None, (tmp / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint at step {step}"
+        time.sleep(0.02)
+    return job
+
+
 def test_sigkill_then_same_command_resumes_exactly(reference, tmp_path):
     ref_dir, ref = reference
     assert sorted(ref) == list(range(1, STEPS + 1))
     # checkpoint.keep_last = 2 (the default): steps 2 and 4 were deleted
     assert [s for s, _ in store.candidates(ref_dir / "ck")] == [8, 6]
     cmd = ["bash", "launch/train.sh", *job_args(tmp_path)]
-    log = open(tmp_path / "first.log", "w")
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
-                           start_new_session=True)
-    deadline = time.monotonic() + 200
-    while not (store.step_dir(tmp_path / "ck", 4) / store.MARKER).exists():
-        assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint at step 4"
-        time.sleep(0.02)
+    job = start_until_checkpoint(cmd, tmp_path, 4)
     kill_tree(job.pid)  # torchrun and both ranks (in sessions of their own), mid-run
-    assert job.wait(60) == -signal.SIGKILL
+    assert job.wait(HUNG_S) == -signal.SIGKILL
     saved, _ = store.latest(tmp_path / "ck", warn=lambda message: None)
     step = store.read_marker(saved)["step"]
     assert step < STEPS, "the job finished before it was killed"
@@ -138,6 +148,37 @@ def test_sigkill_then_same_command_resumes_exactly(reference, tmp_path):
     resumed = losses(tmp_path)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert resumed == ref  # bitwise, every step
+
+
+@pytest.mark.parametrize("launcher, how", [
+    ("train.sh", "ctrl_c"), ("train.sh", "sigterm"),
+    pytest.param("deepspeed.sh", "sigterm", marks=[pytest.mark.deepspeed, pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")])])
+def test_stop_signal_says_how_to_resume(reference, tmp_path, launcher, how):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) or SIGTERM to the launcher (as
+    `kill` or a scheduler does): the launcher passes it on to the ranks, and the job ends with one line from rank
+    0 naming the checkpoint the same command resumes from, no traceback, and the exit code 128 + the signal. The
+    same command then resumes (on torchrun's layout, exactly: the uninterrupted run's losses)."""
+    extra = ["parallel.deepspeed_config=configs/deepspeed/zero2.json"] if launcher == "deepspeed.sh" else []
+    cmd = ["bash", f"launch/{launcher}", *job_args(tmp_path, *extra)]
+    job = start_until_checkpoint(cmd, tmp_path, 4)
+    sig = signal.SIGINT if how == "ctrl_c" else signal.SIGTERM
+    if how == "ctrl_c":
+        os.killpg(job.pid, sig)  # torchrun starts the ranks in sessions of their own, DeepSpeed in this group
+    else:
+        job.send_signal(sig)  # the launcher itself (the scripts exec it)
+    assert job.wait(HUNG_S) == 128 + sig
+    log = (tmp_path / "first.log").read_text()
+    saved, info = store.latest(tmp_path / "ck", warn=lambda message: None)
+    assert f"WARNING stopped by {sig.name} after step " in log, log[-3000:]
+    assert (f"the last checkpoint is {saved} (step {info['step']}): the same command resumes from it"
+            in log), log[-3000:]
+    assert "Traceback" not in log and "Error" not in log, log[-3000:]
+
+    result = run(cmd)
+    assert f"resumed from step {info['step']} ({saved}" in result.stdout
+    if launcher == "train.sh":
+        assert losses(tmp_path) == reference[1]  # bitwise, every step
 
 
 @pytest.mark.parametrize("layout", ["dp2xtp1", "one_process"])
@@ -168,7 +209,7 @@ def test_resume_with_another_global_batch_names_the_setting(reference, tmp_path)
     copy_checkpoint(reference[0], 6, tmp_path)
     result = subprocess.run([sys.executable, "-m", "parallel.train",
                              *job_args(tmp_path, "parallel.tp=1", "data.batch_size=8")],
-                            cwd=ROOT, env=env(), text=True, capture_output=True, timeout=300)
+                            cwd=ROOT, env=env(), text=True, capture_output=True, timeout=HUNG_S)
     assert result.returncode == 2
     assert "checkpoint error: data.batch_size: " in result.stderr
     assert "set data.batch_size=4 to continue on the same batches" in result.stderr
@@ -197,7 +238,7 @@ def test_explicit_unreadable_checkpoint_is_an_error(reference, tmp_path, how, me
     # the check launch/train.sh runs before torchrun; parallel.train runs the same one first
     result = subprocess.run([sys.executable, "-m", "parallel.config", *job_args(
         tmp_path, f"checkpoint.load={json.dumps(str(path))}"), "--world-size", "2"], cwd=ROOT,
-        env=env(), text=True, capture_output=True, timeout=120)
+        env=env(), text=True, capture_output=True, timeout=HUNG_S)
     assert result.returncode != 0, result.stdout[-2000:]
     assert f"config error: checkpoint.load: {path}" in result.stderr and message in result.stderr
     assert "step " not in result.stdout
@@ -217,7 +258,7 @@ def test_latest_skips_torn_and_partial_directories(reference, tmp_path):
     assert store.latest(tmp_path / "nothing") is None
 
 
-def _hung_peer(rank: int, port: int, started) -> None:
+def _hung_peer(rank: int, port: int, started, done) -> None:
     from parallel.runtime import CollectivePhase, CollectiveTimeout, init_runtime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -225,11 +266,16 @@ def _hung_peer(rank: int, port: int, started) -> None:
     started.wait()  # both ranks join the group together, well within the timeout
     runtime = init_runtime(timeout_s=3)
     if rank == 1:
-        time.sleep(10)  # hangs: never joins the all-reduce
+        # hangs: never joins the all-reduce, and stays until rank 0 has seen the timeout (a peer that
+        # exited would fail the collective with "connection closed" instead, as a sleep could on a busy machine)
+        done.wait(HUNG_S)
         return
-    with pytest.raises(CollectiveTimeout) as error:
-        with CollectivePhase(3, rank)("step 3: the loss all-reduce"):
-            runtime.mean_over_ranks(1.0)
+    try:
+        with pytest.raises(CollectiveTimeout) as error:
+            with CollectivePhase(3, rank)("step 3: the loss all-reduce"):
+                runtime.mean_over_ranks(1.0)
+    finally:
+        done.set()
     assert "rank 0: a collective in step 3: the loss all-reduce waited longer than " \
            "parallel.timeout_s = 3 s" in str(error.value)
     assert "Timed out" in str(error.value)  # gloo's own message follows
@@ -239,7 +285,8 @@ def _hung_peer(rank: int, port: int, started) -> None:
                     "timed-out process itself (its message names the operation) instead of raising in Python")
 def test_hung_rank_times_out_with_the_collective_named():
     """parallel.timeout_s reaches the process group: without it gloo would wait 30 minutes."""
-    mp.spawn(_hung_peer, args=(free_port(), mp.get_context("spawn").Barrier(2)), nprocs=2)
+    context = mp.get_context("spawn")
+    mp.spawn(_hung_peer, args=(free_port(), context.Barrier(2), context.Event()), nprocs=2)
 
 
 @pytest.mark.deepspeed
