@@ -228,6 +228,8 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = None, *,
         raise TypeError(f"shardnorm.convert: model must be a torch.nn.Module, got {type(model).__name__}")
     patterns = _patterns(classes, extra)
     swaps, converted, skipped = _replacements(model, patterns, extra)
+    # for the log line: the classes as they were
+    owner, classes = type(model).__name__, Counter(type(model.get_submodule(name)).__name__ for name in converted)
     for parent, attribute, new in swaps:
         if parent is None:
             model = new
@@ -237,19 +239,22 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = None, *,
         for module in model.modules():
             if isinstance(module, (LayerNorm, RMSNorm)):
                 module.keep_output = False
-    _log_converted(model, converted)
+    _log_converted(model, owner, converted, classes, skipped)
     if warn:
         _warn(model, converted, skipped)
     return ConvertResult(model, len(converted), converted, skipped)
 
 
-def _log_converted(model: torch.nn.Module, converted: list) -> None:
+def _log_converted(model: torch.nn.Module, owner: str, converted: list, classes: Counter, skipped: list) -> None:
+    """One line at INFO: what was converted (classes, then names), what was left alone, what the model now holds."""
     if not _log.isEnabledFor(logging.INFO):
         return
     total = sum(isinstance(m, (LayerNorm, RMSNorm)) for m in model.modules())
-    shown = ", ".join(converted[:8]) + (", ..." if len(converted) > 8 else "")
-    _log.info("shardnorm.convert: converted %d norm module(s) of %s%s; %d shardnorm norm module(s) in the model",
-              len(converted), type(model).__name__, f" ({shown})" if converted else "", total)
+    names = [name for name in converted if name]  # "" is the model itself
+    shown = ", ".join(f"{cls} x{n}" for cls, n in classes.items()) + (
+        ": " + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "")
+    _log.info("shardnorm.convert: converted %d norm module(s) of %s%s, left %d alone; %d shardnorm norm module(s) "
+              "in the model", len(converted), owner, f" ({shown})" if converted else "", len(skipped), total)
 
 
 def _warn(model: torch.nn.Module, converted: list, skipped: list) -> None:

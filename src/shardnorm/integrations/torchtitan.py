@@ -10,6 +10,7 @@
 `with_shardnorm(config)` applies all three to a `Trainer.Config` (docs/integrations/torchtitan.md).
 """
 
+import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import wraps
@@ -39,6 +40,9 @@ if not torchtitan.__version__.startswith(SUPPORTED_VERSIONS):  # pragma: no cove
     raise ImportError(f"shardnorm.integrations.torchtitan supports torchtitan {SUPPORTED_VERSIONS[0]}x, found "
                       f"torchtitan {torchtitan.__version__} (its converter and sharding protocols change between "
                       f"releases)")
+
+# torchtitan logs through the root logger at INFO (torchtitan.tools.logging.init_logger): these lines appear in its log
+_log = logging.getLogger(__name__)
 
 SPMD_BACKEND = "partial_dtensor"  # DTensor on the model-parallel axes: what SequenceParallelNorm speaks
 _SEQUENCE_PARALLEL = "_shardnorm_sequence_parallel"
@@ -117,6 +121,8 @@ class ShardnormConverter(ModelConfigConverter):
         if count == 0:
             raise ValueError(f"shardnorm: ShardnormConverter found no torchtitan RMSNorm.Config in "
                              f"{type(model_config).__qualname__}")
+        _log.info("shardnorm: converted %d RMSNorm config(s) of %s to ShardnormRMSNorm (keep_output=%s)", count,
+                  type(model_config).__qualname__, self.config.keep_output)
         return converted
 
 
@@ -128,8 +134,12 @@ def parallelize_with_shardnorm(parallelize_fn, *, bucket_cap_mb: float = DEFAULT
         model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
         norms = [(fqn, m, bool(getattr(m, _SEQUENCE_PARALLEL, False))) for fqn, m in model.named_modules()
                  if isinstance(m, ShardnormRMSNorm)]
-        if any(sp for *_, sp in norms):
+        sequence_parallel = sum(sp for *_, sp in norms)
+        if sequence_parallel:
             install_norm_grad_reducer(model, norms, parallel_dims.get_mesh("tp"), bucket_cap_mb=bucket_cap_mb)
+        _log.info("shardnorm: %d ShardnormRMSNorm module(s) in the model, %d sequence-parallel%s", len(norms),
+                  sequence_parallel, " (their grads reduced over tp by shardnorm's reducer, in fp32, once per step)"
+                  if sequence_parallel else "")
         return model
 
     return parallelize
