@@ -165,17 +165,20 @@ def main():
         _sync()
         peak[v] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     times = {v: [] for v in args.variants}
+    host = {v: [] for v in args.variants}  # time until the step's work is queued: near the step time when host-bound
     for r in range(args.rounds):
         for v in common.turns(list(args.variants), r):
-            samples = []
+            samples, queued = [], []
             for _ in range(args.steps):
                 dist.barrier()
                 _sync()
                 t0 = time.perf_counter()
                 step(models[v], v, batches, opts[v])
+                queued.append((time.perf_counter() - t0) * 1e3)
                 _sync()
                 samples.append((time.perf_counter() - t0) * 1e3)
             times[v].append(statistics.median(samples))
+            host[v].append(statistics.median(queued))
         if rank == 0:
             print(f"round {r}: " + ", ".join(f"{v} {times[v][-1]:.1f} ms" for v in args.variants), flush=True)
     if rank != 0:
@@ -188,7 +191,7 @@ def main():
             pairs[f"{b} / {a}"] = common.median_range([tb / ta for tb, ta in zip(times[b], times[a])])
     result = {"environment": common.environment(args.device, world), "command": common.command("benchmarks.sp_step"),
               "mode": mode, "tp": world, "shape": vars(args) | {"dtype": str(args.dtype)},
-              "step_ms": times, "pairs": pairs, "held_after_forward_mib": {v: b / 2**20 for v, b in held.items()},
+              "step_ms": times, "host_ms": host, "pairs": pairs, "held_after_forward_mib": {v: b / 2**20 for v, b in held.items()},
               "peak_mib": {v: b / 2**20 for v, b in peak.items()}, "first_step_loss": first_loss}
     out = common.Path(args.out)
     common.write_json(out / f"sp_step_{mode}_tp{world}.json", result)
@@ -196,9 +199,10 @@ def main():
              f"{result['environment']['device']} x {world}, torch {torch.__version__}; {args.layers} blocks of 2 norms, "
              f"D {args.dim}, F {args.ffn}, S {args.seq}, {MICRO_BATCHES} micro-batches, bf16; {args.rounds} rounds of "
              f"{args.steps} steps, order rotated each round", ""]
-    lines += common.table(["variant", "step ms (median of rounds)", "held after forward MiB", "peak MiB",
-                           "first-step loss"],
-                          [[v, f"{statistics.median(times[v]):.1f}", f"{held[v] / 2**20:.0f}",
+    lines += common.table(["variant", "step ms (median of rounds)", "host ms (work queued)", "held after forward MiB",
+                           "peak MiB", "first-step loss"],
+                          [[v, f"{statistics.median(times[v]):.1f}", f"{statistics.median(host[v]):.1f}",
+                            f"{held[v] / 2**20:.0f}",
                             f"{peak[v] / 2**20:.0f}", f"{first_loss[v]:.6g}"] for v in args.variants])
     lines += [""] + common.table(["ratio", "median", "range"],
                                  [[k, f"{p['median']:.3f}", f"{p['min']:.3f}-{p['max']:.3f}"] for k, p in pairs.items()])

@@ -68,11 +68,12 @@ README_PLAN = {"layers.*.attn_norm": SequenceParallelNorm(output_layouts=Replica
 
 
 def _randomized(module, seed):
+    """`module` with random params (ones and zeros would hide mistakes), on this rank's device."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn_like(p) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
-    return module
+    return module.to(rank_device(dist.get_rank()))
 
 
 def _steps(model, forward, seed, compiled_modules=()):
@@ -214,6 +215,7 @@ def _hf_tp_plan_recipe(rank, world_size, root, seed):
         torch._dynamo.utils.counters.clear()
         for mb, batch in enumerate(ids):
             with shardnorm.accumulate(model) if mb < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                batch = batch.to(model.device)
                 forward(input_ids=batch, labels=batch).loss.backward()
         grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
                  for n, p in model.named_parameters() if p.grad is not None}
