@@ -10,6 +10,7 @@ offset). Backward all-reduces the two per-row sums that dx needs.
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import all_gather, all_reduce_sum
 from ..reference import scale
 
 
@@ -33,9 +34,8 @@ def _row_moments(xf: torch.Tensor, group):
     else:  # a rank with no columns of these rows (an uneven shard)
         shift = e = m2 = xf.new_zeros(xf.shape[0], 1)
     local = torch.cat([shift, e, m2, torch.full_like(m2, n_local)], dim=-1)
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local, group=group)
-    shifts, es, m2s, counts = torch.stack(parts).unbind(-1)  # [ranks, M] each
+    parts = all_gather(local, group).view(dist.get_world_size(group), *local.shape)
+    shifts, es, m2s, counts = parts.unbind(-1)  # [ranks, M] each
     # the first rank with columns, the same on every rank (an index tensor: no device-to-host sync)
     ref_shift = shifts.index_select(0, (counts[:, :1] > 0).int().argmax(0))  # [1, M]
     # means relative to the reference rank's shift: small differences of nearby fp32 values, exact
@@ -54,8 +54,7 @@ class HiddenShardedNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps: float, rms: bool, zero_centered: bool, group, n: int):
         xf = x.float()
         if rms:
-            sums = xf.square().sum(-1, keepdim=True)
-            dist.all_reduce(sums, group=group)
+            sums = all_reduce_sum(xf.square().sum(-1, keepdim=True), group)
             shift = offset = None
             var = sums / n
         else:
@@ -79,7 +78,7 @@ class HiddenShardedNorm(torch.autograd.Function):
         sums = (g * xhat).sum(-1, keepdim=True)
         if shift is not None:
             sums = torch.cat([sums, g.sum(-1, keepdim=True)], dim=-1)
-        dist.all_reduce(sums, group=ctx.group)
+        sums = all_reduce_sum(sums, ctx.group)
         dx = g - xhat * (sums[:, :1] / ctx.n)
         if shift is not None:
             dx = dx - sums[:, 1:] / ctx.n
