@@ -15,6 +15,7 @@ table gives their median and range. Memory: bytes the first micro-batch's forwar
 Losses of the first step are compared with torch's (each variant's own model, the same weights and data).
 
     torchrun --nproc-per-node 2 -m benchmarks.sp_step --out OUT_DIR [--compile] [--rounds 5]
+    python -m benchmarks.sp_step --summary OUT_DIR      # every sp_step_*.json there: sp_step.md and sp_step.png
 """
 
 import argparse
@@ -127,9 +128,47 @@ def held_after_forward(model, x) -> int:
     return held
 
 
+def summarize(folder) -> None:
+    """One table and one plot of every run in `folder`: each ratio's median and range, by mode and tp."""
+    import json
+
+    runs = sorted((json.loads(p.read_text()) for p in common.Path(folder).glob("sp_step_*_tp*.json")),
+                  key=lambda r: (r["mode"] != "eager", r["tp"]))
+    rows, labels = [], []
+    for r in runs:
+        for name, p in r["pairs"].items():
+            rows.append([r["mode"], r["tp"], name, f"{p['median']:.3f}", f"{p['min']:.3f}-{p['max']:.3f}"])
+        held = r["held_after_forward_mib"]
+        rows.append([r["mode"], r["tp"], "held after forward MiB (torch / shardnorm / discard)",
+                     " / ".join(f"{held[v]:.0f}" for v in VARIANTS if v in held), ""])
+        labels.append(f"{r['mode']} tp={r['tp']}")
+    lines = ["# SP block stack: shardnorm's README recipe against torch's norms and plan", "",
+             "Step-time ratios, median of the alternating rounds and their range; per-run tables and commands in "
+             "the `sp_step_<mode>_tp<N>.md` files beside this one.", ""]
+    lines += common.table(["mode", "tp", "ratio", "median", "range"], rows)
+    (common.Path(folder) / "sp_step.md").write_text("\n".join(lines) + "\n")
+    plt = common.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = ("shardnorm / torch", "shardnorm_discard / shardnorm")
+    for k, name in enumerate(names):
+        med = [r["pairs"][name]["median"] for r in runs]
+        err = [[m - r["pairs"][name]["min"] for m, r in zip(med, runs)],
+               [r["pairs"][name]["max"] - m for m, r in zip(med, runs)]]
+        ax.bar([i + 0.4 * k for i in range(len(runs))], med, 0.4, yerr=err, capsize=3, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.2 for i in range(len(runs))], labels)
+    ax.set_ylabel("step time ratio")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    common.save_figure(fig, common.Path(folder) / "sp_step.png")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--summary", help="write the table and plot of the runs in this folder, and stop")
+    parser.add_argument("--out")
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--ffn", type=int, default=11008)
     parser.add_argument("--seq", type=int, default=4096)
@@ -141,6 +180,11 @@ def main():
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
+    if args.summary:
+        summarize(args.summary)
+        return
+    if not args.out:
+        parser.error("--out is required for a run")
     args.dtype = torch.bfloat16
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
