@@ -1,6 +1,6 @@
 """Compare finished runs: a Markdown table of their summaries and one plot of their loss curves.
 
-    python -m parallel.compare runs/llama_small_fsdp_tp-fsdp_tp-* [--plot benchmarks/loss.png]
+    python -m parallel.compare runs/llama_small_fsdp_tp-fsdp_tp-* [--plot runs/compare_loss.png]
 
 Each argument is a run's output dir (summary.json + metrics.jsonl); the table goes to stdout.
 """

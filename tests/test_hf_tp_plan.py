@@ -15,7 +15,8 @@ A second spawn: `keep_output=False` under a tp_plan. transformers' colwise style
 output they read (`DTensor.from_local`); the recompute follows it to the norm's output, so every norm output is
 saved as a handle and made again once in the backward, loss and grads bitwise those of keep_output=True.
 (transformers.Trainer itself refuses a tp_plan model on CPU: Accelerate allows a ParallelismConfig only on
-GPU devices, DeepSpeed or FSDP2; `benchmarks/gpu_hf_tp_plan.py` runs the Trainer with `enable` on 2 GPUs.)
+GPU devices, DeepSpeed or FSDP2; the Trainer with `enable` on 2 GPUs ran in `benchmarks/gpu_hf_tp_plan.py`, removed
+in d7c3b12: `git show d7c3b12^:benchmarks/gpu_hf_tp_plan.py`.)
 """
 
 import contextlib
@@ -319,7 +320,7 @@ def _sequence_parallel_norms(rank, path):
 
 @pytest.mark.distributed
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU runs by design (Accelerate/Trainer with use_cpu on gloo); "
-                    "benchmarks/gpu_hf_tp_plan.py runs this path on GPUs")
+                    "its GPU counterpart, benchmarks/gpu_hf_tp_plan.py, was removed in d7c3b12")
 def test_tp_plan_qwen3_norm_grads_two_micro_batches(tmp_path):
     spawn(_body, 2, str(tmp_path))
 

@@ -6,8 +6,8 @@
 - FSDP2 on the converted model, wrapped where Accelerate's own FSDP2 auto-wrap policy says
   (`fsdp2_prepare_auto_wrap_policy` with a real `FullyShardedDataParallelPlugin`: by the model's
   `_no_split_modules`, and by `transformer_cls_names_to_wrap`): losses match a single process. (Accelerate 1.15
-  runs FSDP only on GPUs, so on CPU its policy is applied with `fully_shard` here; benchmarks/gpu_hf_tp_plan.py
-  runs the Trainer's FSDP2 path on 2 GPUs.)
+  runs FSDP only on GPUs, so on CPU its policy is applied with `fully_shard` here; the Trainer's FSDP2 path on 2
+  GPUs ran in benchmarks/gpu_hf_tp_plan.py, removed in d7c3b12: `git show d7c3b12^:benchmarks/gpu_hf_tp_plan.py`.)
 All Trainer runs: gradient_accumulation_steps=2, 5 steps, clipping at 1.0; one spawn for everything. A tp_plan
 model cannot go through the Trainer on CPU either (Accelerate allows its ParallelismConfig only on GPUs,
 DeepSpeed or FSDP2): tests/test_hf_tp_plan.py covers it with an Accelerate loop.

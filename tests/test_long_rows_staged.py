@@ -23,7 +23,7 @@ S = config.StagedConfig
 
 @pytest.fixture
 def force(monkeypatch):
-    """force(cfg): every backward takes cfg (as benchmarks/sweep_tiles.py swaps configs)."""
+    """force(cfg): every backward takes cfg (as the tile sweep did, `git show d7c3b12^:benchmarks/sweep_tiles.py`)."""
     def use(cfg):
         monkeypatch.setattr(config, "bwd_config", lambda *_: cfg)
         bwd_module._plan.cache_clear()
@@ -171,7 +171,8 @@ def test_bitwise_deterministic(rms):
     bwd_module._plan.cache_clear()
 
 
-# the staged candidates benchmarks/gpu_longrow.py times
+# the staged candidates benchmarks/gpu_longrow.py timed (removed in d7c3b12:
+# `git show d7c3b12^:benchmarks/gpu_longrow.py`)
 SLICED = {"slices_16384": S(32, slice_n=16384), "slices_8192": S(32, slice_n=8192),
           "slices_16384_lead": S(32, slice_n=16384, slots=3), "slices_16384_w16": S(16, slice_n=16384),
           "slices_16384_w16_lead": S(16, slice_n=16384, slots=3)}

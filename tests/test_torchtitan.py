@@ -47,9 +47,12 @@ def _train(tmp_path, config: str, steps: int) -> dict:
            "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
            "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
            "--parallelism.tensor_parallel_degree", "2", "--debug.seed", "7",
-           "--override.imports", "tests.torchtitan_runner.sdpa_on_cpu", "--dump_folder", str(tmp_path / "out")]
+           "--override.imports", "tests.torchtitan_runner.sdpa_on_cpu", "--dump_folder", str(tmp_path / "out"),
+           # torchtitan's collective timeouts (300 s to start, 100 s per collective after step 1) and the run's:
+           # limits for a hang, not for a busy machine's speed
+           "--comm.init_timeout_seconds", "1800", "--comm.train_timeout_seconds", "1800"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

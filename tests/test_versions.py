@@ -62,6 +62,6 @@ def test_import_stops_on_an_old_release(package):
     code = f"{_IMPORT_WITH[package]}; import shardnorm"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True, capture_output=True,
-                            timeout=120)
+                            timeout=1800)  # a hang, not speed
     assert result.returncode != 0, result.stdout + result.stderr
     assert "ImportError: shardnorm needs " + package + ">=" in result.stderr, result.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Run torchtitan 0.3's own trainer (`torchtitan.train.main`), stock or with shardnorm, and record per step
 the loss, the grad norm (torchtitan's, before clipping) and the all-reduces of forward + backward: on CPU with gloo for tests/test_torchtitan.py, on
-GPUs with NCCL for benchmarks/gpu_torchtitan.sh (TORCHTITAN_RUNNER_DEVICE=cuda).
+GPUs with NCCL when TORCHTITAN_RUNNER_DEVICE=cuda (the GPU runs came from benchmarks/gpu_torchtitan.sh, removed in
+d7c3b12: `git show d7c3b12^:benchmarks/gpu_torchtitan.sh`).
 
 torchtitan 0.3 cannot start on a machine without an accelerator: `torchtitan.tools.utils` picks
 "cuda" when `torch._utils._get_available_device_type()` finds none, and `Trainer.__init__` then

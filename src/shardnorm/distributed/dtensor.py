@@ -7,8 +7,8 @@ the node, `reducer.py`), or, without a reducer, to autograd as `Partial`. Two wa
 - eager (no trace, no dispatch mode, plain local tensors): the node takes the DTensors themselves and a
   `TokenShards`, which unwraps them and wraps its results with cached specs. Composed from `to_local` and
   `DTensor.from_local` instead, an eager call records four to six autograd nodes, each building and checking a spec
-  (forward 1.5-1.8x torch's `SequenceParallel` host time on a CPU: benchmarks/results/cpu-torch2.13/
-  host_time_dtensor.md);
+  (forward 1.5-1.8x torch's `SequenceParallel` host time on a CPU, a table since removed from benchmarks/results:
+  `git show 11e21bc:benchmarks/results/cpu-torch2.13/host_time_dtensor.md`);
 - traced or under a dispatch mode: `to_local`, the node on plain tensors, `DTensor.from_local`, all of which Dynamo
   traces.
 

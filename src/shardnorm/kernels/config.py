@@ -3,8 +3,9 @@
 Keyed on the hidden size N (and, backward, on how many partial sums it keeps), never on the row count M, so
 a new batch or sequence length never recompiles. Numbers below are % of copy bandwidth on one H100 (torch
 2.11, Triton 3.6, bf16 x and dy, M = 32768 unless stated): "GPU time" is the bare launcher replayed from a
-CUDA graph (`benchmarks/sweep_tiles.py`, which swaps `fwd_config` / `bwd_config` here), "benchmark" do_bench
-of the autograd call (`benchmarks/bench_kernels.py`).
+CUDA graph (measured with `benchmarks/sweep_tiles.py`, which swapped `fwd_config` / `bwd_config` here; removed in
+d7c3b12, its last version: `git show d7c3b12^:benchmarks/sweep_tiles.py`), "benchmark" do_bench of the autograd
+call (`python -m benchmarks.bench_kernels`).
 """
 
 import functools
@@ -198,7 +199,7 @@ STAGED_FWD = StagedConfig(num_warps=32)
 #   registers a thread, where 32 warps spill LayerNorm's dgamma/dbeta sums): LayerNorm 14336 87-88%, 16384 96%.
 # - 16384-column slices in three slots, the next row's sums published before this row's are awaited, tagged
 #   words for the exchange: LayerNorm 32768 87-88%, 65536 85%, RMSNorm 32768 92-93%, 65536 92-93%
-#   (`benchmarks/gpu_longrow.py`).
+#   (measured with `benchmarks/gpu_longrow.py`, removed in d7c3b12: `git show d7c3b12^:benchmarks/gpu_longrow.py`).
 # fp32 weights take the same configs: H200, benchmark, 1.12-1.48x the split backward (docs/performance.md).
 _STAGED_TWO_SLOTS = StagedConfig(num_warps=16, slice_n=16384)
 _STAGED_SLICES = StagedConfig(num_warps=16, slice_n=16384, slots=3)
