@@ -804,3 +804,26 @@ def test_exception_in_parent_and_no_parent():
     out = torch.nn.functional.linear(y, parent.lin.weight)
     out.sum().backward()
     assert output_recompute.counters()["saved_as_handle"] == 0
+
+
+def _write_behind_autograd(module, args, y):
+    """Double y through an alias of its memory that shares no version counter with it (what a `.data` write is
+    where torch does not bump the version)."""
+    with torch.no_grad():
+        alias = torch.empty(0, dtype=y.dtype, device=y.device).set_(y.untyped_storage(), y.storage_offset(),
+                                                                      y.shape, y.stride())
+        alias.mul_(2.0)
+
+
+def test_output_written_behind_autograd_raises(device):
+    """A forward hook that writes the norm's output behind autograd's back (no version bump) before its consumers
+    run: their forward saw the written values, a recompute would give them the norm's own. The backward raises
+    instead of using the wrong ones."""
+    parent = _Parent(False).to(device)
+    parent.norm.register_forward_hook(_write_behind_autograd)
+    x = torch.randn(3, H, device=device, requires_grad=True)
+    with pytest.raises(KeepOutputError, match="written after the norm's forward"):
+        parent(x).sum().backward()
+    kept = _Parent(True).to(device)
+    kept.norm.register_forward_hook(_write_behind_autograd)
+    kept(x).sum().backward()  # the option off: the consumers saved the written output itself

@@ -268,14 +268,24 @@ def derive(out: Tensor, src: Tensor, transform: Callable[[Tensor], Tensor]) -> N
         _track(out, lambda: transform(make()))
 
 
-class _Saved:
-    """A consumer's save of a tracked output: the handle and where in the base the saved view lies."""
+def _fingerprint(t: Tensor) -> Tensor:
+    """An fp32 sum of this rank's values of `t` (a device scalar, no sync): the recompute is bitwise the output, so a
+    different sum means the output the consumer saw was written after the norm made it."""
+    local = _torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t
+    return torch.sum(local.detach(), dtype=torch.float32)
 
-    __slots__ = ("handle", "view", "dtensor")
+
+class _Saved:
+    """A consumer's save of a tracked output: the handle, where in the base the saved view lies, and the view's
+    fingerprint as the consumer saw it (a write through `.data` bumps no version counter)."""
+
+    __slots__ = ("handle", "view", "dtensor", "fingerprint")
 
     def __init__(self, handle: _Recompute, t: Tensor):
         self.handle, self.view, self.dtensor = handle, None, None
         handle.saves += 1
+        with torch.no_grad():
+            self.fingerprint = _fingerprint(t)
         if _torch_compat.is_dtensor(t):
             if getattr(t, _ATTR, None) is handle:  # the tracked DTensor itself
                 return
@@ -286,7 +296,13 @@ class _Saved:
             self.view = (t.size(), t.stride(), t.storage_offset())
 
     def unpack(self) -> Tensor:
-        base = self.handle.get()
+        out = self._view(self.handle.get())
+        with torch.no_grad():
+            flag = torch.ne(_fingerprint(out), self.fingerprint)
+        _check(flag, lambda: _changed_output(self.handle))
+        return out
+
+    def _view(self, base: Tensor) -> Tensor:
         if self.view is None:
             return base
         if self.dtensor is None:
@@ -405,7 +421,7 @@ class _Remake:
         return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
 
 
-_pending_checks: dict = {}  # graph task id -> [(flag, name)]: the device flags of one backward's recomputes
+_pending_checks: dict = {}  # graph task id -> [(flag, error)]: the device flags of one backward's recomputes
 _pending_lock = threading.Lock()  # a backward's nodes run on device threads; its end callback on another
 
 
@@ -414,28 +430,41 @@ def _check_statistics(remake: _Remake, stats: tuple) -> None:
     (written through `.data`) changes them. On the host the check is immediate; on a device the flags gather
     until the end of the backward, so a norm's recompute costs no device-to-host read of its own."""
     flags = [torch.ne(new, old).any() for new, old in zip(stats, remake.stats) if new is not None and new.numel()]
-    if not flags:
-        return
-    flag = flags[0] if len(flags) == 1 else flags[0] | flags[1]
+    if flags:
+        name = remake.name()
+        _check(flags[0] if len(flags) == 1 else flags[0] | flags[1], lambda: _changed_input(name))
+
+
+def _check(flag: Tensor, error) -> None:
+    """Raise `error()` if the 0-dim bool `flag` is set: at once on the host, at the end of the backward on a
+    device (one read of all its flags, not a device-to-host sync per recompute)."""
     task = _torch_compat.current_graph_task_id()
     if flag.device.type == "cpu" or task == -1:
         if flag.item():
-            raise _changed_input(remake.name())
+            raise error()
         return
     with _pending_lock:
         pending = _pending_checks.get(task)
         if pending is None:
             pending = _pending_checks[task] = []
             _torch_compat.queue_backward_callback(lambda: _check_pending(task))
-        pending.append((flag, remake.name()))
+        pending.append((flag, error))
 
 
 def _check_pending(task: int) -> None:
     with _pending_lock:
         pending = _pending_checks.pop(task, [])
-    for flag, name in pending:
+    for flag, error in pending:
         if flag.item():
-            raise _changed_input(name)
+            raise error()
+
+
+def _changed_output(handle: _Recompute) -> KeepOutputError:
+    return KeepOutputError("a norm with keep_output=False: its output was written after the norm's forward without a "
+                           "version-counter bump (through `.data` or a detached alias, e.g. in a forward hook), so "
+                           "its consumers' forward saw other values than their backward would get. Keep this norm's "
+                           "output (keep_output=True), or change the output with an ordinary in-place op or out of "
+                           "place.")
 
 
 def _changed_input(name: str) -> KeepOutputError:
