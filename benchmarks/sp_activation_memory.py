@@ -112,19 +112,25 @@ class _Allocations(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.storages = {}
+        self.storages = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if type(t) is torch.Tensor and t.device.type != "meta":
-                storage = t.untyped_storage()
-                self.storages.setdefault(storage.data_ptr(), (weakref.ref(storage), storage.nbytes()))
+                self.storages.append(weakref.ref(t.untyped_storage()))
         return out
 
     def held(self) -> int:
+        """Bytes of the storages still alive, each once. Keyed by address only among the living: a storage freed
+        during the forward leaves its address to a later one, which a key taken at allocation would hide."""
         gc.collect()
-        return sum(nbytes for ref, nbytes in self.storages.values() if ref() is not None)
+        alive = {}
+        for ref in self.storages:
+            storage = ref()
+            if storage is not None:
+                alive[storage.data_ptr()] = storage.nbytes()
+        return sum(alive.values())
 
 
 def _step(model, tokens, device) -> tuple:
