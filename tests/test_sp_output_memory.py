@@ -189,3 +189,33 @@ def test_compiled_layers_recompute_the_gather(use_local_output):
     from spawn_ranks import spawn
 
     spawn(_compiled_steps, 2, 99, use_local_output)
+
+
+def _input_changed_in_place(rank, world_size):
+    """An ordinary in-place op on the norm's DTensor input between forward and backward: the recompute would read
+    the changed input, so the backward raises, naming the in-place change (a DTensor's in-place ops bump its own
+    version counter, not its local tensor's: reading the local's alone reported a `.data` write)."""
+    from spawn_ranks import DEVICE, rank_device
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from shardnorm.distributed import SequenceParallelNorm
+    from shardnorm.output_recompute import KeepOutputError
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    model = torch.nn.Sequential(shardnorm.RMSNorm(H, keep_output=False), torch.nn.Linear(H, H)).to(rank_device(rank))
+    parallelize_module(model, mesh, {"0": SequenceParallelNorm(output_layouts=Replicate()), "1": ColwiseParallel()})
+    x = distribute_tensor(torch.randn(BATCH, SEQ, H), mesh, [Shard(1)]).requires_grad_()
+    h = x * 1.0
+    out = model(h)
+    with torch.no_grad():
+        h.mul_(2.0)
+    with pytest.raises(KeepOutputError, match="modified in place"):
+        out.sum().backward()
+
+
+def test_dtensor_input_changed_in_place_raises_naming_it():
+    from spawn_ranks import spawn
+
+    spawn(_input_changed_in_place, 2)

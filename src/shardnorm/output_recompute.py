@@ -348,6 +348,7 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
         set_keep_output(owner, False)
     if _scope.hooks is None or not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled():
         return
+    versioned = src  # what an in-place write bumps: a DTensor's own counter, not its local tensor's
     if _torch_compat.is_dtensor(y):
         local = _dtensor_locals(y, src, weight, bias, n)
         if local is None:
@@ -369,7 +370,7 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
         if kernel_weight is not None and weight is not None and kernel_weight.dtype != weight.dtype:
             weight = weight.to(kernel_weight.dtype)
             bias = bias.to(kernel_weight.dtype) if bias is not None else None
-    remake = _Remake(owner, src, weight, bias, eps, rms, zero_centered, n, y_local.dtype, stats)
+    remake = _Remake(owner, src, versioned, weight, bias, eps, rms, zero_centered, n, y_local.dtype, stats)
     if _torch_compat.is_dtensor(y):
         mesh, placements, shape, stride, local_shape = y.device_mesh, y.placements, y.shape, y.stride(), y_local.shape
 
@@ -399,17 +400,20 @@ def _forward_state(y: Tensor, y_local: Tensor) -> Optional[tuple]:
 class _Remake:
     """The norm's output again, from the kept input, as the base [M, N] tensor the op returned."""
 
-    __slots__ = ("owner", "src", "src_version", "weight", "bias", "eps", "rms", "zero_centered", "n", "dtype", "stats")
+    __slots__ = ("owner", "src", "versioned", "src_version", "weight", "bias", "eps", "rms", "zero_centered", "n",
+                 "dtype", "stats")
 
-    def __init__(self, owner, src, weight, bias, eps, rms, zero_centered, n, dtype, stats):
+    def __init__(self, owner, src, versioned, weight, bias, eps, rms, zero_centered, n, dtype, stats):
+        """`versioned`: the norm's input as the user holds it (a DTensor's in-place ops bump the DTensor's own
+        version counter, not its local tensor's)."""
         self.owner, self.weight, self.bias, self.eps, self.rms, self.zero_centered = \
             owner, weight, bias, float(eps), rms, zero_centered
-        self.src, self.n, self.dtype, self.stats = src, n, dtype, stats
-        self.src_version = _torch_compat.tensor_version(src)
+        self.src, self.versioned, self.n, self.dtype, self.stats = src, versioned, n, dtype, stats
+        self.src_version = (_torch_compat.tensor_version(versioned), _torch_compat.tensor_version(src))
 
     def __call__(self) -> Tensor:
         src = self.src
-        if _torch_compat.tensor_version(src) != self.src_version:
+        if (_torch_compat.tensor_version(self.versioned), _torch_compat.tensor_version(src)) != self.src_version:
             raise KeepOutputError(f"{self.name()}: the norm's input (x, or x + residual) was modified in place "
                                   "after the forward; its output cannot be recomputed")
         y, mean, rstd = ops.recompute_output(as_rows(src.detach(), self.n), self.weight, self.bias, self.eps,
