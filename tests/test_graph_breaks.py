@@ -12,6 +12,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from docs_prelude import HIDDEN, Model
 from spawn_ranks import DEVICE, rank_device, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,43 +24,8 @@ from shardnorm.distributed import SequenceParallelNorm, attach_reducer, process_
 
 pytestmark = pytest.mark.distributed
 
-HIDDEN, SEQ, BATCH, MICRO_BATCHES = 24, 6, 2, 2
+SEQ, BATCH, MICRO_BATCHES = 6, 2, 2
 TOL = 1e-5
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wq = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.wo = nn.Linear(HIDDEN, HIDDEN, bias=False)
-
-    def forward(self, x):
-        return self.wo(torch.tanh(self.wq(x)))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn_norm = shardnorm.RMSNorm(HIDDEN)
-        self.attn = Attention()
-
-    def forward(self, x):
-        return x + self.attn(self.attn_norm(x))
-
-
-class Model(nn.Module):
-    """The README's sequence-parallel recipe's names: `layers.*.attn_norm`, `layers.*.attn.wq/wo`, `norm`, `out`."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
-        self.norm = shardnorm.LayerNorm(HIDDEN)
-        self.out = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        for block in self.layers:
-            x = block(x)
-        return self.out(self.norm(x))
 
 
 README_PLAN = {"layers.*.attn_norm": SequenceParallelNorm(output_layouts=Replicate()),
@@ -101,6 +67,7 @@ def _compare(what, eager, compiled, breaks):
 
 
 def _readme_recipe(mesh, keep_output, seed):
+    """The README's recipe on the model its examples run on (`docs_prelude.Model`, torch's norms converted)."""
     model = _randomized(Model(), seed)
     shardnorm.convert(model, keep_output=keep_output)
     parallelize_module(model, mesh, README_PLAN)
@@ -174,6 +141,7 @@ def _fsdp_recipe(rank, world_size, seed):
 
     def build(compiled):
         model = _randomized(Model(), seed)
+        shardnorm.convert(model)
         parallelize_module(model, mesh["tp"], README_PLAN)
         if compiled:  # torchtitan's order: TP, compile, FSDP
             for block in model.layers:
