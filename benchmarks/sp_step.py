@@ -4,7 +4,8 @@ README recipe, with and without its memory option, eager and compiled, as altern
 Each block is `x + wo(silu(wa(n(x))) * wb(n(x)))` twice: every norm feeds two column-parallel consumers (like q/k/v,
 gate/up) and a row-parallel output back to the sequence shard. Variants, all on one tensor-parallel mesh:
 
-- `torch`: `nn.RMSNorm` under `SequenceParallel`, the consumers gathering their input (`PrepareModuleInput`);
+- `torch`: `nn.RMSNorm` under `SequenceParallel`, the sublayer gathering the norm's shard once for both consumers
+  (`PrepareModuleInput`, torchtitan's plan);
 - `shardnorm`: the README's recipe, `SequenceParallelNorm(output_layouts=Replicate())` (the norm gathers its own
   output), `attach_reducer`, micro-batches but the last inside `shardnorm.accumulate`;
 - `shardnorm_discard`: the same with `keep_output=False` (each rank keeps its shard; the gather is redone in backward).
@@ -39,17 +40,24 @@ MICRO_BATCHES = 2
 VARIANTS = ("torch", "shardnorm", "shardnorm_discard")
 
 
-class Sub(nn.Module):
-    def __init__(self, dim, ffn, norm):
+class Mlp(nn.Module):
+    def __init__(self, dim, ffn):
         super().__init__()
-        self.norm = norm
         self.wa = nn.Linear(dim, ffn, bias=False)
         self.wb = nn.Linear(dim, ffn, bias=False)
         self.wo = nn.Linear(ffn, dim, bias=False)
 
+    def forward(self, h):
+        return self.wo(nn.functional.silu(self.wa(h)) * self.wb(h))
+
+
+class Sub(nn.Module):
+    def __init__(self, dim, ffn, norm):
+        super().__init__()
+        self.norm, self.mlp = norm, Mlp(dim, ffn)
+
     def forward(self, x):
-        h = self.norm(x)
-        return x + self.wo(nn.functional.silu(self.wa(h)) * self.wb(h))
+        return x + self.mlp(self.norm(x))
 
 
 class Block(nn.Module):
@@ -73,18 +81,15 @@ def build(variant: str, args, mesh, seed: int) -> nn.Module:
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
     model.to(device="cuda" if args.device == "cuda" else "cpu", dtype=args.dtype)
     for sub in (s for block in model for s in (block.first, block.second)):
-        if variant == "torch":
+        consumers = {"mlp.wa": ColwiseParallel(), "mlp.wb": ColwiseParallel(),
+                     "mlp.wo": RowwiseParallel(output_layouts=Shard(1))}
+        if variant == "torch":  # torchtitan's plan: the sublayer gathers the norm's shard once for its consumers
             plan = {"norm": SequenceParallel(),
-                    "wa": ColwiseParallel(), "wb": ColwiseParallel(), "wo": RowwiseParallel(output_layouts=Shard(1))}
-            parallelize_module(sub, mesh, plan)
-            # the consumers gather the norm's shard themselves
-            parallelize_module(sub.wa, mesh, PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()))
-            parallelize_module(sub.wb, mesh, PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()))
+                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
         else:
             sub.norm.keep_output = variant != "shardnorm_discard"
-            plan = {"norm": SequenceParallelNorm(output_layouts=Replicate()),
-                    "wa": ColwiseParallel(), "wb": ColwiseParallel(), "wo": RowwiseParallel(output_layouts=Shard(1))}
-            parallelize_module(sub, mesh, plan)
+            plan = {"norm": SequenceParallelNorm(output_layouts=Replicate())}
+        parallelize_module(sub, mesh, plan | consumers)
     if variant != "torch":
         attach_reducer(model)
     if args.compile:
