@@ -30,7 +30,8 @@ TOL = 1e-5
 
 README_PLAN = {"layers.*.attn_norm": SequenceParallelNorm(output_layouts=Replicate()),
                "layers.*.attn.wq": ColwiseParallel(), "layers.*.attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-               "norm": SequenceParallelNorm(output_layouts=Replicate()), "out": ColwiseParallel(output_layouts=Replicate())}
+               "norm": SequenceParallelNorm(output_layouts=Replicate()),
+               "out": ColwiseParallel(output_layouts=Replicate())}
 
 
 def _randomized(module, seed):

@@ -8,7 +8,8 @@ APIs only, with one exception torch itself documents: a `ParallelStyle` subclass
 Autograd engine (the reducer's "first grad of this backward" and "end of this backward"):
   `torch._C._current_graph_task_id`, `torch.autograd.Variable._execution_engine.queue_callback`.
   Output recompute (`output_recompute.py`): `torch._C._autograd._top_saved_tensors_default_hooks` (are
-  saved-tensors hooks active), `torch._C._autograd._saved_tensors_hooks_is_enabled` (may they be pushed), `torch._C._are_functorch_transforms_active`, `Tensor._version`, `Tensor._base`.
+  saved-tensors hooks active), `torch._C._autograd._saved_tensors_hooks_is_enabled` (may they be pushed),
+  `torch._C._are_functorch_transforms_active`, `Tensor._version`, `Tensor._base`.
 FSDP2 (`fully_shard`) state, for "does FSDP hold no-sync grads" (`fsdp_checkpoint.pending_grads`):
   `FSDPModule._get_fsdp_state`, `FSDPState._fsdp_param_groups` (torch >= 2.12; `_fsdp_param_group`
   before), `FSDPParamGroup.fsdp_params`, `FSDPParam.unsharded_accumulated_grad` / `_unsharded_param` /
