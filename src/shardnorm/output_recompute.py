@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import _torch_compat, ops
-from .rows import as_param, as_rows
+from .rows import as_dtensor, as_param, as_rows
 
 
 class KeepOutputError(RuntimeError):
@@ -307,13 +307,9 @@ class _Saved:
             return base
         if self.dtensor is None:
             return base.as_strided(*self.view)
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements, shape, stride = self.dtensor
         with torch.no_grad():
             local = base.to_local() if _torch_compat.is_dtensor(base) else base
-            return DTensor.from_local(local.as_strided(*self.view), mesh, placements, run_check=False, shape=shape,
-                                      stride=stride)
+            return as_dtensor(local.as_strided(*self.view), *self.dtensor)
 
 
 def _pack(t: Tensor):
@@ -375,10 +371,7 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
         mesh, placements, shape, stride, local_shape = y.device_mesh, y.placements, y.shape, y.stride(), y_local.shape
 
         def make():
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(remake().view(local_shape), mesh, placements, run_check=False, shape=shape,
-                                      stride=stride)
+            return as_dtensor(remake().view(local_shape), mesh, placements, shape, stride)
 
         _track(y, make)
     else:

@@ -1,6 +1,7 @@
 """The shapes the norm ops take: [M, N] rows whose last dim is contiguous, and parameters as 1-D unit-stride
 vectors of N. The kernels read raw addresses with those strides, so every caller of the ops shapes its tensors
-here (functional calls, the output recompute)."""
+here (functional calls, the output recompute). And the way back for DTensors: a local result with its global shape
+(`as_dtensor`, `dtensor_like`), one helper for every place that rebuilds one."""
 
 from typing import Optional
 
@@ -21,3 +22,18 @@ def as_param(p: Optional[Tensor], n: int) -> Optional[Tensor]:
     if p is None or p.dim() == 1 and (p.stride(0) == 1 or n == 1):
         return p
     return p.reshape(n).contiguous()
+
+
+def as_dtensor(local: Tensor, mesh, placements, shape, stride) -> Tensor:
+    """`local` (this rank's part) as a DTensor of global `shape` and `stride`, differentiably: `DTensor.from_local`
+    without its cross-rank check, and without inferring the global shape (a collective for uneven shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def dtensor_like(local: Tensor, like, placements=None) -> Tensor:
+    """`local` as a DTensor laid out like the DTensor `like`: its mesh, global shape and stride, and its placements
+    unless `placements` are given."""
+    return as_dtensor(local, like.device_mesh, like.placements if placements is None else placements, like.shape,
+                      like.stride())

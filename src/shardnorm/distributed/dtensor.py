@@ -24,7 +24,7 @@ from shardnorm import _torch_compat, ops
 from shardnorm.distributed.grad_sources import grad_sink
 from shardnorm.distributed.hidden_sharded import HiddenShardedNorm
 from shardnorm.distributed.layout import NormLayout, global_normalized_numel, norm_layout
-from shardnorm.rows import as_param, as_rows
+from shardnorm.rows import as_dtensor, as_param, as_rows, dtensor_like
 
 _SPECS_PER_LAYOUT = 64  # (shape, stride, dtype) variants kept per layout: sequence lengths, output dtypes
 
@@ -87,8 +87,7 @@ def _local_params(weight, bias, layout: NormLayout, n: int) -> tuple:
 
 
 def _from_local(t, x: DTensor, x_local):
-    return DTensor.from_local(t.view(x_local.shape), x.device_mesh, x.placements, run_check=False,
-                              shape=x.shape, stride=x.stride())
+    return dtensor_like(t.view(x_local.shape), x)
 
 
 def _hidden_sharded(x, weight, bias, residual, eps, rms, zero_centered, layout: NormLayout, n: int):
@@ -146,7 +145,7 @@ class TokenShards:
         t = rows.view(local_shape).to(dtype)
         layout = self.layout
         if torch.is_grad_enabled():
-            return DTensor.from_local(t, layout.mesh, layout.placements, run_check=False, shape=shape, stride=stride)
+            return as_dtensor(t, layout.mesh, layout.placements, shape, stride)
         return _torch_compat.dtensor_with_spec(t, _spec(layout, layout.placements, shape, stride, dtype))
 
     def rows(self, t, differentiable: bool = False):
@@ -174,7 +173,6 @@ class TokenShards:
             return grad.view(param.shape)
         layout, local = self.layout, grad.view(_torch_compat.dtensor_local(param).shape)
         if torch.is_grad_enabled():
-            return DTensor.from_local(local, layout.mesh, layout.grad_placements, run_check=False, shape=param.shape,
-                                      stride=param.stride())
+            return dtensor_like(local, param, layout.grad_placements)
         return _torch_compat.dtensor_with_spec(local, _spec(layout, layout.grad_placements, param.shape,
                                                             param.stride(), grad.dtype))

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradAttributeSource, local_tensor
+from shardnorm.rows import dtensor_like
 
 
 class FSDPShardedGrads(GradAttributeSource):
@@ -54,8 +55,7 @@ class FSDPShardedGrads(GradAttributeSource):
         if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
             return grad  # a plain (process-group mode) grad is the local partial sum already
         placements = tuple(Replicate() if p.is_partial() else p for p in grad.placements)
-        return DTensor.from_local(grad.to_local(), grad.device_mesh, placements, run_check=False,
-                                  shape=grad.shape, stride=grad.stride())
+        return dtensor_like(grad.to_local(), grad, placements)
 
     def begin_backward(self) -> None:
         self._drop_cleared()

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardnorm._torch_compat import current_graph_task_id, queue_backward_callback
+from shardnorm.rows import dtensor_like
 from shardnorm.distributed.grad_sources import GradSource, NormBackward, local_tensor
 
 ReduceMode = Literal["bucketed", "per_layer"]
@@ -394,8 +395,7 @@ register_optimizer_step_pre_hook(_refuse_pending_step)
 def _as_grad(param, values: torch.Tensor) -> torch.Tensor:
     """`values` (this rank's part of `param`, any shape of its numel) shaped and placed as `param`'s grad."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(values.view(param.to_local().shape), param.device_mesh, param.placements,
-                                  run_check=False, shape=param.shape, stride=param.stride())
+        return dtensor_like(values.view(param.to_local().shape), param)
     return values.view(param.shape)
 
 
