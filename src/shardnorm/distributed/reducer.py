@@ -66,30 +66,31 @@ class _Slot:
         """Take back out of `.grad` what is left of the stashed sum, leaving `.grad` as it was before the step."""
         if not self.stashed:
             return
-        param, base = self.param, self.base
-        if param.grad is not None:
-            local = local_tensor(param.grad)
-            self.data.add_(local.reshape(-1))
-            if base is None:
-                param.grad = None
-            else:
-                self.data.sub_(base)
-                local.copy_(base.view_as(local))
+        if self.param.grad is not None:
+            self.data.add_(local_tensor(self.param.grad).reshape(-1))
+            if self.base is not None:
+                self.data.sub_(self.base)
             self.touched = True
             if self.bucket is not None:
                 self.bucket.dirty = True
-        self.stashed, self.base = False, None
+        self._restore_grad()
 
     def drop(self) -> None:
         """Forget the pending sum, `.grad` back to what it was before the step."""
-        if self.stashed and self.param.grad is not None:
+        if self.stashed:
+            self._restore_grad()
+        self.data.zero_()
+        self.touched = False
+
+    def _restore_grad(self) -> None:
+        """`.grad` as it was before the step's first stash (None where it was None); nothing stashed any more."""
+        if self.param.grad is not None:
             if self.base is None:
                 self.param.grad = None
             else:
                 local = local_tensor(self.param.grad)
                 local.copy_(self.base.view_as(local))
-        self.data.zero_()
-        self.touched, self.stashed, self.base = False, False, None
+        self.stashed, self.base = False, None
 
 
 class GradSink:
