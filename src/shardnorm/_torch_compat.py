@@ -26,8 +26,6 @@ Tensor and placement kinds, told apart without importing torch.distributed where
   `DTensor`, a functional collective's pending result (`torch.distributed._functional_collectives.
   AsyncCollectiveTensor`), and `torch.distributed.tensor.placement_types._StridedShard` (on torch 2.11 a `Shard`
   whose `is_shard()` is true).
-Functional collectives (`torch.distributed._functional_collectives.all_reduce` / `all_gather_tensor`): the
-  hidden-sharded norm's statistics, traceable by Dynamo (`all_reduce_sum`, `all_gather`).
 Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then reach the kernels
   through the ops, so a mode such as selective activation checkpointing's sees the norm as one op).
 autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls after its Python checks
@@ -249,24 +247,6 @@ def is_block_shard(placement) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return placement.is_shard() and not isinstance(placement, _StridedShard)
-
-
-# ---- functional collectives ------------------------------------------------------------------------------
-
-def all_reduce_sum(t, group):
-    """The sum of `t` over `group`, as a new tensor (torch's functional collective): Dynamo traces it into a graph
-    as one op with its wait, where an in-place `dist.all_reduce` inside an autograd.Function is rewritten by Dynamo
-    (seen giving wrong compiled grads on NCCL)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.all_reduce(t, "sum", group)
-
-
-def all_gather(t, group):
-    """Every rank's `t` of `group`, concatenated along dim 0 in rank order (a functional collective, as above)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.all_gather_tensor(t, 0, group)
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------------

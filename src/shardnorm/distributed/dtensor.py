@@ -101,9 +101,9 @@ def _hidden_sharded(x, weight, bias, residual, eps, rms, zero_centered, layout: 
 
 
 # Traced on CUDA (torch 2.11, NCCL), the hidden-sharded norm's compiled backward gives zero grads to x, weight and
-# bias while its forward is right (tests/test_graph_breaks.py on 2 H200s; traced on CPU, gloo, torch 2.13, the grads
-# are right): under torch.compile on CUDA it runs eagerly, one graph break per call (with fullgraph=True, Dynamo's
-# error naming this function) rather than wrong grads.
+# bias while its forward is right (traced on CPU, gloo, torch 2.13, the grads are right; tests/test_graph_breaks.py
+# compares both with eager): under torch.compile on CUDA it runs eagerly, one graph break per call (with
+# fullgraph=True, Dynamo's error naming this function) rather than wrong grads.
 _hidden_sharded_untraced = torch.compiler.disable(_hidden_sharded)
 
 

@@ -10,7 +10,6 @@ offset). Backward all-reduces the two per-row sums that dx needs.
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import all_gather, all_reduce_sum
 from ..reference import scale
 
 
@@ -34,8 +33,9 @@ def _row_moments(xf: torch.Tensor, group):
     else:  # a rank with no columns of these rows (an uneven shard)
         shift = e = m2 = xf.new_zeros(xf.shape[0], 1)
     local = torch.cat([shift, e, m2, torch.full_like(m2, n_local)], dim=-1)
-    parts = all_gather(local, group).view(dist.get_world_size(group), *local.shape)
-    shifts, es, m2s, counts = parts.unbind(-1)  # [ranks, M] each
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    shifts, es, m2s, counts = torch.stack(parts).unbind(-1)  # [ranks, M] each
     # the first rank with columns, the same on every rank (an index tensor: no device-to-host sync)
     ref_shift = shifts.index_select(0, (counts[:, :1] > 0).int().argmax(0))  # [1, M]
     # means relative to the reference rank's shift: small differences of nearby fp32 values, exact
@@ -54,7 +54,8 @@ class HiddenShardedNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps: float, rms: bool, zero_centered: bool, group, n: int):
         xf = x.float()
         if rms:
-            sums = all_reduce_sum(xf.square().sum(-1, keepdim=True), group)
+            sums = xf.square().sum(-1, keepdim=True)
+            dist.all_reduce(sums, group=group)
             shift = offset = None
             var = sums / n
         else:
@@ -78,7 +79,7 @@ class HiddenShardedNorm(torch.autograd.Function):
         sums = (g * xhat).sum(-1, keepdim=True)
         if shift is not None:
             sums = torch.cat([sums, g.sum(-1, keepdim=True)], dim=-1)
-        sums = all_reduce_sum(sums, ctx.group)
+        dist.all_reduce(sums, group=ctx.group)
         dx = g - xhat * (sums[:, :1] / ctx.n)
         if shift is not None:
             dx = dx - sums[:, 1:] / ctx.n
