@@ -1,7 +1,7 @@
 """Second-order grads (a gradient penalty: grad with create_graph=True, then backward through it) equal torch's.
 
-A backward run with grad mode on computes the grads with differentiable torch ops from the saved input
-(`ops._input_grads`), on every backend; the reference is torch's own norm in float64 on the same data.
+A backward run with grad mode on (`ops._NormFunction.backward`) computes the grads with differentiable torch ops from
+the saved input, on every backend; the reference is torch's own norm in float64 on the same data.
 """
 
 import pytest
