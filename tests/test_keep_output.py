@@ -18,6 +18,11 @@ from shardnorm.output_recompute import KeepOutputError
 H = 32
 
 
+def scoped(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` handed to `convert(..., keep_output=False)`: its forward is the scope of its norms' option."""
+    return shardnorm.convert(model, keep_output=False, warn=False).model
+
+
 class Block(torch.nn.Module):
     """A pre-norm block: attention-like (two consumers of the first norm's output) and MLP-like sublayers."""
 
@@ -48,6 +53,8 @@ class Stack(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block(keep=keep, **kw) for _ in range(layers))
         self.final = shardnorm.RMSNorm(H, keep_output=keep) if final_norm else None
         self.head = torch.nn.Linear(H, 7)
+        if not keep:
+            scoped(self)
 
     def forward(self, x):
         residual = None
@@ -167,10 +174,11 @@ def test_gradient_accumulation_and_fp64_reference(device):
 def test_output_of_parent_is_kept():
     """A norm whose output is the parent's output: the user holds it, so it stays, whole; backward is right."""
     norm = shardnorm.RMSNorm(H, keep_output=False)
-    parent = torch.nn.Sequential(torch.nn.Linear(H, H), norm, torch.nn.Linear(H, H))
+    parent = scoped(torch.nn.Sequential(torch.nn.Linear(H, H), norm, torch.nn.Linear(H, H)))
     outputs = _outputs_of(parent)
     x = torch.randn(4, H, requires_grad=True)
-    h = parent[1](parent[0](x))
+    with pytest.warns(UserWarning, match="outside a model handed to shardnorm.convert"):
+        h = parent[1](parent[0](x))  # outside the scope: the output is kept, and the norm says so once
     y = parent(x)
     assert _released_count(outputs) == 1  # the output of the inner call inside parent(...) was freed
     expected = torch.autograd.grad(parent[2](h).sum(), x)[0]
@@ -219,6 +227,8 @@ class _Parent(torch.nn.Module):
         torch.manual_seed(5)
         self.norm, self.lin = shardnorm.RMSNorm(H, keep_output=keep), torch.nn.Linear(H, H)
         self.between, self.after, self.wrap = between, after, wrap
+        if not keep:
+            scoped(self)
 
     def forward(self, x):
         y = self.norm(x)
@@ -295,6 +305,8 @@ def test_mixed_dtype_residual_and_retried_backward():
             torch.manual_seed(3)
             self.norm = shardnorm.RMSNorm(H, keep_output=keep)
             self.lin = torch.nn.Linear(H, H).to(torch.bfloat16)
+            if not keep:
+                scoped(self)
 
         def forward(self, x, r):
             y, z = self.norm(x, r)
@@ -332,14 +344,14 @@ def test_input_changed_through_data_raises(device):
 
 def test_keyboard_interrupt_in_parent_forward():
     """A KeyboardInterrupt skips the module forward hooks (torch runs them only for Exception): the hooks pushed at
-    the outermost call stay pushed until the next outermost call notices its frame is gone. Nothing is held in the
-    meantime: norm calls outside any module keep no input."""
+    the scoped model's call stay pushed until that model's next call resets them. Nothing is held in the meantime,
+    and the next call's grads are the option off's."""
 
     def interrupt(y):
         raise KeyboardInterrupt
 
     parent = _Parent(False, after=interrupt)
-    with torch.no_grad(), pytest.raises(KeyboardInterrupt):  # an outermost call that pushed no hooks
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):  # a call that pushed no hooks
         parent(torch.randn(3, H, requires_grad=True))
     with pytest.raises(KeyboardInterrupt):
         parent(torch.randn(3, H, requires_grad=True))
@@ -351,8 +363,13 @@ def test_keyboard_interrupt_in_parent_forward():
         del x
     gc.collect()
     assert sum(ref() is not None for ref in inputs) == 0
-    _same_grads(lambda keep: _Parent(keep))  # the next outermost call resets the scope
+    parent.after = None
+    parent.zero_grad(set_to_none=True)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    got = _grads(parent, x)
     assert _torch_compat.saved_tensors_hooks_top() is None
+    ref_x = x.detach().clone().requires_grad_()
+    assert all(torch.equal(a, b) for a, b in zip(got, _grads(_Parent(True), ref_x)))
 
 
 def test_in_place_change_of_input_raises():
@@ -366,7 +383,7 @@ def test_in_place_change_of_input_raises():
 
     x = torch.randn(3, H, requires_grad=True)
     h = x * 1.0
-    out = Bad()(h)
+    out = scoped(Bad())(h)
     with torch.no_grad():
         h.add_(1.0)
     with pytest.raises(KeepOutputError, match="input"):
@@ -399,32 +416,49 @@ def test_retain_graph_second_backward():
         assert torch.equal(2 * g, p.grad)
 
 
-def test_option_toggles_hooks_and_repr():
+def _no_global_module_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return not (module._global_forward_pre_hooks or module._global_forward_hooks
+                or module._global_backward_pre_hooks or module._global_backward_hooks)
+
+
+def test_option_scope_and_repr():
+    """The option installs nothing process-wide: a norm stores it; `convert(model, keep_output=False)` puts one
+    forward pre-hook and one forward hook on the model it is handed, and on nothing else."""
     norm = shardnorm.RMSNorm(H)
     assert norm.keep_output and "keep_output" not in repr(norm)
     norm.keep_output = False
-    assert output_recompute.hooks_installed() and "keep_output=False" in repr(norm)
-    copied = copy.deepcopy(norm)
-    assert copied.keep_output is False
-    norm.keep_output = True
-    copied.keep_output = True
-    others = [m for m in output_recompute._discarding]
-    assert output_recompute.hooks_installed() == bool(others)
+    assert "keep_output=False" in repr(norm) and _no_global_module_hooks()
+    assert not norm._forward_pre_hooks and not norm._forward_hooks
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), norm, torch.nn.Linear(H, H))
+    assert scoped(model) is model and len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    scoped(model)  # again: the same two hooks
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model)
+    assert _no_global_module_hooks()
+    copied = copy.deepcopy(model)  # the copy's scope holds the copy's norms
+    assert copied[1].keep_output is False
+    copied[1].keep_output = True
+    assert not copied.__dict__[output_recompute._SCOPE_ATTR].needs_hooks()
+    assert model.__dict__[output_recompute._SCOPE_ATTR].needs_hooks()
     with pytest.raises(TypeError, match="keep_output"):
         shardnorm.LayerNorm(H, keep_output="no")
     state = shardnorm.RMSNorm(H, keep_output=False).state_dict()
     assert list(state) == ["weight"]  # the option is not state
 
 
-def test_torch_func_runs_other_modules_while_an_option_is_off():
-    """While a norm with keep_output=False exists, its module-call hooks see every module: under torch.func.grad and
-    vjp (which refuse saved-tensors hooks) they push none, so modules without shardnorm's norms are differentiated
-    as without shardnorm, and a norm under the transform raises shardnorm's own error."""
-    discarding = shardnorm.RMSNorm(H, keep_output=False)
-    assert output_recompute.hooks_installed()
+def test_models_without_shardnorm_norms_see_nothing():
+    """While discarding norms exist: a model without shardnorm's norms runs with no saved-tensors hook, under
+    torch.func.grad too; a scoped model's norm under torch.func.grad raises shardnorm's own error."""
+    discarding = scoped(torch.nn.Sequential(shardnorm.RMSNorm(H, keep_output=False)))
     torch.manual_seed(7)
     linear = torch.nn.Linear(H, H)
     x = torch.randn(3, H)
+    seen = []
+    linear.register_forward_hook(lambda m, a, y: seen.append(_torch_compat.saved_tensors_hooks_top()))
+    linear(x.requires_grad_()).sum().backward()
+    assert seen == [None]
     got = torch.func.grad(lambda t: torch.tanh(linear(t)).sum())(x)
     want = torch.autograd.functional.vjp(lambda t: torch.tanh(linear(t)).sum(), x)[1]
     assert torch.allclose(got, want, rtol=1e-6, atol=0)
@@ -538,7 +572,7 @@ def test_nothing_released_when_no_consumer_saves_the_output():
             return x + torch.relu(self.norm(x))
 
     refs = []
-    parent = Parent()
+    parent = scoped(Parent())
     parent.norm.register_forward_hook(lambda m, a, y: refs.append(weakref.ref(view_base(y))))
     x = torch.randn(4, H, requires_grad=True)
     out = parent(x)
@@ -569,15 +603,13 @@ def test_compat_entries():
 
 
 def test_models_run_where_saved_tensors_hooks_are_disabled():
-    """While a keep_output=False norm exists in the process, a model run under
-    `torch.autograd.graph.disable_saved_tensors_hooks` (as torch's own features do) trains as without shardnorm:
-    a model without shardnorm norms, and a discarding norm itself (which then keeps its output)."""
-    discarding = shardnorm.RMSNorm(8, keep_output=False)
+    """A scoped model run under `torch.autograd.graph.disable_saved_tensors_hooks` (as torch's own features do)
+    trains as without the option: its discarding norm keeps its output."""
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    with_norm = scoped(torch.nn.Sequential(shardnorm.RMSNorm(8, keep_output=False), torch.nn.Linear(8, 2)))
     x = torch.randn(4, 8)
     with torch.autograd.graph.disable_saved_tensors_hooks("saved-tensors hooks are disabled here"):
         plain(x).sum().backward()
-        with_norm = torch.nn.Sequential(discarding, torch.nn.Linear(8, 2))
         with_norm(x).sum().backward()
     expected = torch.nn.Sequential(torch.nn.RMSNorm(8), torch.nn.Linear(8, 2))
     expected.load_state_dict(with_norm.state_dict())
@@ -793,7 +825,7 @@ def test_exception_in_parent_and_no_parent():
             self.lin(self.y)
             raise ValueError("boom")
 
-    parent = Raises()
+    parent = scoped(Raises())
     with pytest.raises(ValueError, match="boom"):
         parent(torch.randn(3, H, requires_grad=True))
     assert torch.isfinite(parent.y).all()

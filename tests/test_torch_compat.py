@@ -6,6 +6,7 @@ FSDP checkpoints or the FSDP1 policy in some longer test.
 
 import pytest
 import torch
+import triton.language as tl
 from spawn_ranks import DEVICE, rank_device, spawn
 from torch import nn
 
@@ -266,6 +267,11 @@ def _dtensor_spec_and_wrap(rank, world_size):
             assert expected.to_local() is compat.dtensor_local(expected), _gone("DTensor._local_tensor")
 
 
+        gathered = local.new_empty((world_size * 2, 3, 4))
+        compat.all_gather_single(gathered, local, mesh.get_group(), async_op=True).wait()
+        assert torch.equal(gathered[2 * rank:2 * rank + 2], local)
+
+
 @pytest.mark.distributed
 def test_dtensor_spec_wraps_a_local_tensor_like_from_local():
     """dtensor_with_spec(local, dtensor_spec(...)) is the DTensor from_local builds, over the same local tensor."""
@@ -291,3 +297,24 @@ def test_child_modules_and_own_buffers():
     parent.norm.register_buffer("scratch", torch.zeros(1), persistent=False)
     assert [(n, p) for n, _, p in compat.own_buffers(parent.norm)] == [("kept", True), ("scratch", False)], \
         _gone("Module._buffers / _non_persistent_buffers_set")
+
+
+def _copy_kernel(X, Y, N, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    tl.store(Y + cols, tl.load(X + cols, mask=cols < N), mask=cols < N)
+
+
+def test_triton_kernel_writes_names_what_inductor_copies(monkeypatch):
+    """Inductor's analysis of a wrap_triton kernel, on a kernel compiled for an sm_90 target given to Triton (no GPU
+    needed; a JITFunction of its own, compiled even under TRITON_INTERPRET)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    class Hopper:
+        get_current_target = staticmethod(lambda: GPUTarget("cuda", 90, 32))
+
+    monkeypatch.setattr(type(triton.runtime.driver), "active", property(lambda self: Hopper()))
+    x, y = torch.zeros(8), torch.zeros(8)
+    writes = compat.triton_kernel_writes(JITFunction(_copy_kernel), dict(X=x, Y=y, N=8, BLOCK=8))
+    assert writes == ["Y"], _gone(f"triton_kernel_wrap.identify_mutated_tensors / identify_accessed_tensors ({writes})")

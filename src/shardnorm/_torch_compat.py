@@ -30,10 +30,16 @@ Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: e
   through the ops, so a mode such as selective activation checkpointing's sees the norm as one op).
 autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls after its Python checks
   (`function_apply`: the eager norm's host time).
+Inductor's analysis of what a Triton kernel launched through `torch.library.wrap_triton` writes
+  (`torch._higher_order_ops.triton_kernel_wrap.identify_mutated_tensors` on torch 2.11, `identify_accessed_tensors`
+  on 2.13): the test that holds the traced ops' kernels to writing their outputs only (tests/test_traced_kernels.py).
 DTensor: `DTensorSpec` / `TensorMeta`, the `DTensor(local, spec, requires_grad=)` constructor and
   `DTensor._local_tensor` (the local tensor without `to_local`'s autograd node): the eager
   sequence-parallel norm wraps its local results with a cached spec (`DTensor.from_local` builds and validates a
   new spec per call: ~15 us of host time per output on a CPU).
+
+Renamed public API: `torch.distributed.all_gather_single` (2.13; `all_gather_into_tensor` before, deprecated
+  since), the sequence-parallel consumers' re-gather (`distributed/regather.py`).
 
 Framework-specific internals stay in their adapter (DeepSpeed's AutoTP partition specs and flag:
 `shardnorm/integrations/deepspeed_autotp.py`); Triton's launch internals in `shardnorm/kernels/launch.py`.
@@ -275,6 +281,22 @@ def function_apply(cls):
     return apply
 
 
+# ---- Inductor ----------------------------------------------------------------------------------------------
+
+def triton_kernel_writes(kernel, kwargs: dict) -> list:
+    """The names of the tensor arguments that Inductor's analysis of `kernel` (a JITFunction; `kwargs`: every
+    argument by name, constexprs included) finds it writes. For a kernel launched through `torch.library.wrap_triton`
+    in a compiled graph these are copied before each launch, and an input among them that requires grad is an
+    error; where the analysis fails it takes every tensor for written (and logs a warning). Compiles the kernel to
+    TTIR for Triton's current target: a GPU, or a stand-in set as Triton's active driver."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):
+        accesses = triton_kernel_wrap.identify_accessed_tensors(kernel, kwargs, {})
+        return [dep.name for dep in accesses.read_writes.writes]
+    return list(triton_kernel_wrap.identify_mutated_tensors(kernel, kwargs, {}))
+
+
 # ---- DTensor ------------------------------------------------------------------------------------------------
 
 def dtensor_spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torch.dtype):
@@ -296,3 +318,13 @@ def dtensor_with_spec(local: torch.Tensor, spec):
 def dtensor_local(t):
     """A DTensor's local tensor as it is (no autograd node: what `to_local()` returns with grad mode off)."""
     return t._local_tensor
+
+
+# ---- collectives ---------------------------------------------------------------------------------------------
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Every rank's `input` concatenated along dim 0 into `output` (torch >= 2.13's name; the older one before)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)

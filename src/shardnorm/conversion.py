@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 import torch
 
 from ._torch_compat import child_modules, is_dtensor, module_hooks, own_buffers
+from . import output_recompute
 from .modules import LayerNorm, RMSNorm
 from .norm_families import KNOWN, Extra, NormFamily, lookup, mismatch
 
@@ -222,7 +223,8 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = None, *,
     extra: `{cls or class name: NormFamily}` for your own norm classes (see shardnorm.norm_families).
     warn: warn once, listing the norm-like modules left alone and why.
     keep_output: False: every shardnorm norm of the result (converted here or before) recomputes its output
-        in backward instead of keeping it (`shardnorm.output_recompute`).
+        in backward instead of keeping it (`shardnorm.output_recompute`). Where any norm of the result has
+        keep_output=False, `model`'s forward becomes the scope in which its consumers save a recompute handle.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"shardnorm.convert: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -235,10 +237,12 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = None, *,
             model = new
         else:
             setattr(parent, attribute, new)
+    norms = [m for m in model.modules() if isinstance(m, (LayerNorm, RMSNorm))]
     if not keep_output:
-        for module in model.modules():
-            if isinstance(module, (LayerNorm, RMSNorm)):
-                module.keep_output = False
+        for module in norms:
+            module.keep_output = False
+    if not all(m.keep_output for m in norms):  # the model's forward is where their consumers' saves are taken
+        output_recompute.scope(model, norms)
     _log_converted(model, owner, converted, classes, skipped)
     if warn:
         _warn(model, converted, skipped)

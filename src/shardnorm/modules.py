@@ -6,7 +6,8 @@ ways (and `isinstance(m, torch.nn.LayerNorm)` stays true for code that looks for
 `zero_centered_gamma` (scale = 1 + weight; weight then initializes to zeros) and an optional
 `residual` argument to `forward` that fuses the prenorm residual add and returns `(y, x + residual)`, and
 `keep_output` (False: the norm's consumers save a recompute handle instead of its output, which is made again when
-their backward needs it; see `shardnorm.output_recompute`).
+their backward needs it, inside a model handed to `shardnorm.convert(model, keep_output=False)` or, under sequence
+parallelism, for consumers that own the re-gather; see `shardnorm.output_recompute`).
 """
 
 import math

@@ -23,9 +23,10 @@ activation checkpoint that recomputes its forward op instead (`compiled_norm`), 
 gives the compiled graph the same saving (without a residual).
 """
 
-import sys
 import threading
+import warnings
 import weakref
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -72,49 +73,58 @@ def _recompute_norm_contexts():
     return create_selective_checkpoint_contexts(_recompute_norm_policy)
 
 
-# ---- which norms have the option on, and the global hooks that exist only while some do ----------------------
-
-_discarding: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_handles: list = []
-_lock = threading.RLock()  # re-entrant: a module's finalizer may run (garbage collection) while it is held
-
+# ---- where the option acts: models handed to `convert(model, keep_output=False)` -----------------------------
 
 def set_keep_output(module: torch.nn.Module, keep: bool) -> None:
-    """Record `module`'s option; the module-call hooks are installed while at least one module discards."""
+    """Check a norm's option (the module stores it)."""
     if not isinstance(keep, bool):
         raise TypeError(f"keep_output must be a bool, got {type(keep).__name__}")
-    with _lock:
-        if keep:
-            _discarding.discard(module)
-        elif module not in _discarding:
-            _discarding.add(module)
-            weakref.finalize(module, _uninstall_if_unused)
-        _install() if len(_discarding) else _uninstall()
 
 
-def _uninstall_if_unused() -> None:
-    with _lock:
-        if not len(_discarding):
-            _uninstall()
+_SCOPE_ATTR = "_shardnorm_keep_output_scope"  # on a model handed to `scope`: its _ModelScope
 
 
-def _install() -> None:
-    if not _handles:
-        hooks = torch.nn.modules.module
-        _handles.append(hooks.register_module_forward_pre_hook(_enter))
-        _handles.append(hooks.register_module_forward_hook(_leave, always_call=True))
+class _ModelScope:
+    """A model whose forward pushes the pack/unpack hooks: its norms, and the handles of its two module hooks."""
+
+    __slots__ = ("norms", "handles")
+
+    def __init__(self, norms: list):
+        self.norms, self.handles = norms, []
+
+    def needs_hooks(self) -> bool:
+        """Some norm of the model discards its output and its consumers do not own the saving (a sequence-parallel
+        norm that gathers its output has consumers that do: `distributed/regather.py`)."""
+        for norm in self.norms:
+            if not norm.keep_output and not norm.__dict__.get(GATHERS_ATTR, False):
+                return True
+        return False
 
 
-def _uninstall() -> None:
-    while _handles:
-        _handles.pop().remove()
+GATHERS_ATTR = "_shardnorm_gathers_output"  # set by SequenceParallelNorm on norms whose output it all-gathers
 
 
-def hooks_installed() -> bool:
-    return bool(_handles)
+def scope(model: torch.nn.Module, norms) -> None:
+    """Make `model`'s forward the scope of its norms' `keep_output=False`: while it runs, the consumers' saves of a
+    discarding norm's output take a recompute handle (`convert` calls this on the model it is handed; calling it
+    again updates the norms). Hooks go on `model` only, and push nothing while every norm keeps its output."""
+    existing = model.__dict__.get(_SCOPE_ATTR)
+    norms = list(norms)  # submodules of `model`: held as the model holds them (a deepcopy or pickle maps them)
+    if existing is not None:
+        existing.norms = norms
+        return
+    state = _ModelScope(norms)
+    state.handles.append(model.register_forward_pre_hook(partial(_enter, state)))
+    state.handles.append(model.register_forward_hook(partial(_leave, state), always_call=True))
+    model.__dict__[_SCOPE_ATTR] = state
 
 
 _counts = {"tracked": 0, "saved_as_handle": 0, "recomputed": 0}
+
+
+def count(key: str) -> None:
+    """One more of `counters()`'s `key` (the sequence-parallel consumers' re-gather counts as theirs)."""
+    _counts[key] += 1
 
 
 def counters(reset: bool = False) -> dict:
@@ -126,32 +136,31 @@ def counters(reset: bool = False) -> dict:
     return out
 
 
-# ---- the scope: the outermost module call ---------------------------------------------------------------------
+# ---- the scope: the model's forward -----------------------------------------------------------------------------
 
 class _Scope(threading.local):
     depth = 0
-    hooks = None  # the saved_tensors_hooks context pushed at the outermost call, or None
-    root_frame = None  # that call's frame: a KeyboardInterrupt skips the forward hook that would pop the hooks
+    hooks = None  # the saved_tensors_hooks context pushed at the outermost scoped call, or None
+    root = None  # that call's model: a KeyboardInterrupt skips the forward hook that would pop the hooks
 
 
 _scope = _Scope()
 
 
-def _enter(module, args) -> None:
+def _enter(state: _ModelScope, module, args) -> None:
     if torch.compiler.is_compiling():
         return
     scope = _scope
-    if scope.depth and _finished(scope.root_frame):
+    if scope.depth and scope.root is module:  # the same model again: its last forward was interrupted
         _reset(scope)
     scope.depth += 1
     if scope.depth > 1:
         return
-    scope.root_frame = sys._getframe(1)
-    # not under a torch.func transform: its grad and vjp refuse saved-tensors hooks for every module they run,
-    # shardnorm's or not (a norm itself raises its own error there)
-    # nor where the user disabled saved-tensors hooks (`disable_saved_tensors_hooks`): a push would raise in a model
-    # that may not even hold a discarding norm; its norms then keep their outputs
-    if torch.is_grad_enabled() and _torch_compat.saved_tensors_hooks_enabled() \
+    scope.root = module
+    # not under a torch.func transform: its grad and vjp refuse saved-tensors hooks (a norm itself raises its own
+    # error there); nor where the user disabled saved-tensors hooks (`disable_saved_tensors_hooks`): its norms then
+    # keep their outputs
+    if torch.is_grad_enabled() and state.needs_hooks() and _torch_compat.saved_tensors_hooks_enabled() \
             and not _torch_compat.saved_tensors_hooks_active() \
             and _torch_compat.current_graph_task_id() == -1 and not _torch_compat.is_compiled_module(module) \
             and not _torch_compat.functorch_transforms_active():
@@ -159,11 +168,11 @@ def _enter(module, args) -> None:
         scope.hooks.__enter__()
 
 
-def _leave(module, args, output) -> None:
+def _leave(state: _ModelScope, module, args, output) -> None:
     if torch.compiler.is_compiling():
         return
     scope = _scope
-    if scope.depth == 0:  # entered before the hooks were installed
+    if scope.depth == 0:
         return
     scope.depth -= 1
     if scope.depth == 0:
@@ -171,19 +180,9 @@ def _leave(module, args, output) -> None:
 
 
 def _reset(scope: _Scope) -> None:
-    hooks, scope.hooks, scope.root_frame, scope.depth = scope.hooks, None, None, 0
+    hooks, scope.hooks, scope.root, scope.depth = scope.hooks, None, None, 0
     if hooks is not None and _torch_compat.saved_tensors_hooks_top() == (_pack, _unpack):
         hooks.__exit__(None, None, None)
-
-
-def _finished(frame) -> bool:
-    """Whether `frame` has returned (or unwound): only a running frame refuses `clear()`. Clearing a finished
-    one drops the locals (the interrupted call's arguments) it would otherwise keep."""
-    try:
-        frame.clear()
-    except RuntimeError:
-        return False
-    return True
 
 
 # ---- the recompute handle ---------------------------------------------------------------------------------------
@@ -260,11 +259,11 @@ def recompute_of(t: Tensor) -> Optional[Callable[[], Tensor]]:
 
 
 def derive(out: Tensor, src: Tensor, transform: Callable[[Tensor], Tensor]) -> None:
-    """`out = transform(src)` (exact, e.g. a redistribute of a tracked norm output): saves of `out` take a handle
-    too, which remakes src and applies `transform` under no_grad (the SP all-gather, again, in backward). Under
-    no_grad, transform must return a tensor laid out in memory as out's base (a view's storage: as_strided)."""
+    """`out = transform(src)` (exact: `to_local`, a redistribute that gathers nothing): saves of `out` inside a scope
+    take a handle too, which remakes src and applies `transform` under no_grad. Under no_grad, transform must return
+    a tensor laid out in memory as out's base (a view's storage: as_strided)."""
     make = recompute_of(src)
-    if make is not None:
+    if make is not None and _scope.hooks is not None:
         _track(out, lambda: transform(make()))
 
 
@@ -299,7 +298,7 @@ class _Saved:
         out = self._view(self.handle.get())
         with torch.no_grad():
             flag = torch.ne(_fingerprint(out), self.fingerprint)
-        _check(flag, lambda: _changed_output(self.handle))
+        check_flag(flag, changed_output_error)
         return out
 
     def _view(self, base: Tensor) -> Tensor:
@@ -340,10 +339,15 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
           zero_centered: bool, n: int) -> None:
     """Called by a keep_output=False norm right after its forward: saves of y take a recompute handle. `src` is
     x, or z = x + residual (the kernels normalize the rounded z); `n` the normalized size."""
-    if owner is not None and owner not in _discarding:  # a copy (deepcopy, pickle) of a registered module
-        set_keep_output(owner, False)
-    if _scope.hooks is None or not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled():
+    if not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
+    if _scope.hooks is None:
+        gathers = owner is not None and owner.__dict__.get(GATHERS_ATTR, False)
+        # (a reentrant checkpoint's recompute runs inside the backward, outside any forward: nothing to warn of)
+        if not gathers and _scope.depth == 0 and _torch_compat.current_graph_task_id() == -1:
+            _warn_unscoped(owner)
+        if not (gathers and _torch_compat.is_dtensor(y)):  # no consumer would take a handle
+            return
     versioned = src  # what an in-place write bumps: a DTensor's own counter, not its local tensor's
     if _torch_compat.is_dtensor(y):
         local = _dtensor_locals(y, src, weight, bias, n)
@@ -429,10 +433,10 @@ def _check_statistics(remake: _Remake, stats: tuple) -> None:
     flags = [torch.ne(new, old).any() for new, old in zip(stats, remake.stats) if new is not None and new.numel()]
     if flags:
         name = remake.name()
-        _check(flags[0] if len(flags) == 1 else flags[0] | flags[1], lambda: _changed_input(name))
+        check_flag(flags[0] if len(flags) == 1 else flags[0] | flags[1], lambda: _changed_input(name))
 
 
-def _check(flag: Tensor, error) -> None:
+def check_flag(flag: Tensor, error) -> None:
     """Raise `error()` if the 0-dim bool `flag` is set: at once on the host, at the end of the backward on a
     device (one read of all its flags, not a device-to-host sync per recompute)."""
     task = _torch_compat.current_graph_task_id()
@@ -456,12 +460,23 @@ def _check_pending(task: int) -> None:
             raise error()
 
 
-def _changed_output(handle: _Recompute) -> KeepOutputError:
+def changed_output_error() -> KeepOutputError:
     return KeepOutputError("a norm with keep_output=False: its output was written after the norm's forward without a "
                            "version-counter bump (through `.data` or a detached alias, e.g. in a forward hook), so "
                            "its consumers' forward saw other values than their backward would get. Keep this norm's "
                            "output (keep_output=True), or change the output with an ordinary in-place op or out of "
                            "place.")
+
+
+def _warn_unscoped(owner) -> None:
+    """Once per norm: its option has no effect where no model of its was handed to `convert(model,
+    keep_output=False)` (the scope its consumers' saves are taken in)."""
+    if owner is None or owner.__dict__.get("_shardnorm_warned_unscoped"):
+        return
+    owner.__dict__["_shardnorm_warned_unscoped"] = True
+    warnings.warn(f"shardnorm: {type(owner).__name__} has keep_output=False but runs outside a model handed to "
+                  "shardnorm.convert(model, keep_output=False), so its consumers keep its output: pass the model "
+                  "that calls it (the outermost one you call) to convert", stacklevel=4)
 
 
 def _changed_input(name: str) -> KeepOutputError:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from shardnorm import output_recompute
+from shardnorm.distributed import regather
 from shardnorm.distributed.grad_sources import GROUP_ATTR
 
 
@@ -33,10 +34,10 @@ class SequenceParallelNorm(ParallelStyle):
     `Replicate` input and gathers nothing); the residual form's z = x + residual stays sharded. Outputs are
     local tensors if `use_local_output`.
 
-    With `output_layouts=Replicate()` and the norm's `keep_output=False`, the consumers of the gathered output
-    save a recompute handle: each rank keeps only its shard of the norm's input, and the backward recomputes the
-    local output and all-gathers it again (Megatron-Core's sequence-parallel activation memory; one extra
-    all-gather of y per norm in the backward).
+    With `output_layouts=Replicate()` and the norm's `keep_output=False`, its consumers parallelized with
+    `RegatherColwiseParallel` keep only this rank's shard: their backward recomputes the norm's local output and
+    all-gathers it again while its dgrad GEMM runs (Megatron-Core's sequence-parallel activation memory; one extra
+    all-gather of y per norm in the backward; `regather.py`).
     """
 
     def __init__(self, *, sequence_dim: int = 1, output_layouts: Placement | None = None,
@@ -55,6 +56,8 @@ class SequenceParallelNorm(ParallelStyle):
             raise ValueError(f"shardnorm: SequenceParallelNorm needs a 1-D (tensor-parallel) mesh, got "
                              f"{device_mesh.ndim}-D {device_mesh}; pass mesh['tp'] to parallelize_module")
         self._prepare_params(module, device_mesh)
+        if self.output_layouts == (Replicate(),):  # its consumers own the saving of keep_output=False
+            module.__dict__[output_recompute.GATHERS_ATTR] = True
         module.register_forward_pre_hook(partial(self._shard_inputs, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._prepare_outputs)
         return module
@@ -98,12 +101,17 @@ class SequenceParallelNorm(ParallelStyle):
             t = t.redistribute(placements=placements) if tuple(t.placements) != placements else t
             return t.to_local() if self.use_local_output else t
 
-        if torch.compiler.is_compiling():  # only a redistribution needs the recompute checkpoint
-            if getattr(module, "keep_output", True) or tuple(y.placements) == placements:
+        if getattr(module, "keep_output", True):
+            return transform(y)
+        if torch.compiler.is_compiling():  # only a gather needs the selective checkpoint that recomputes it
+            if tuple(y.placements) == placements:
                 return transform(y)
             return output_recompute.compiled_transform(transform, y)
         out = transform(y)
-        output_recompute.derive(out, y, transform)  # keep_output=False: saves of out recompute y, then transform
+        if placements == (Replicate(),):  # its RegatherColwiseParallel consumers keep the norm's shard instead
+            regather.attach(module, out, y)
+        else:  # no gather (`use_local_output`): inside a convert scope, saves of out take y's recompute handle
+            output_recompute.derive(out, y, transform)
         return out
 
     def __repr__(self) -> str:

@@ -227,9 +227,7 @@ def _convert(model, accelerator, deepspeed_config, bucket_cap_mb, keep_output=Tr
     tp_norms = _take_tp_norms(model)
     model = _convert_norms(model, deepspeed_config)
     if not keep_output:
-        for module in model.modules():
-            if isinstance(module, (LayerNorm, RMSNorm)):
-                module.keep_output = False
+        model = shardnorm.convert(model, classes=(), warn=False, keep_output=False).model
     if not tp_norms:
         return model, sum(_in_tensor_parallel_mode(m) for m in model.modules())
     mesh = _tp_mesh(model)

@@ -1,0 +1,178 @@
+"""Sequence-parallel norm outputs that their consumers gather again in backward (`keep_output=False`).
+
+A norm under `SequenceParallelNorm(output_layouts=Replicate())` all-gathers its output for the column-parallel
+linears that read it (q/k/v, gate/up). Those linears would save the gathered tensor for their weight grads: every
+rank would keep the whole [b, s, h] per norm. With the norm's `keep_output=False`, the consumers parallelized with
+`RegatherColwiseParallel` save a `GatheredOutput` instead: in backward the first of them recomputes the norm's local
+output (same kernel, same input, bitwise) and all-gathers it again, asynchronously, while its dgrad GEMM runs; the
+others share that copy and the last drops it (Megatron-Core's column-parallel linear under sequence parallelism,
+one gather serving every consumer as in torchtitan's `AllGatherLinearMulti`). Nothing else is intercepted: the
+consumers own their saves, and a model without such consumers runs as torch runs it.
+
+Checked, not assumed: the norm's input changed after the forward (version counter, or the recompute's statistics
+against the forward's), and the gathered output written behind autograd before a consumer read it (an fp32 sum of
+what each consumer read against the re-gathered copy's); either raises `KeepOutputError` by the end of the backward.
+
+Under torch.compile the consumers run torch's linear and a selective checkpoint recomputes the norm and the gather
+(`output_recompute.compiled_transform`): the partitioner keeps the same shard.
+"""
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+from shardnorm import _torch_compat, output_recompute
+from shardnorm.rows import as_dtensor
+
+_ATTR = "_shardnorm_gathered"  # on the norm's gathered output DTensor: its GatheredOutput
+
+
+class GatheredOutput:
+    """One forward's gathered norm output as its consumers keep it: how to make it again, and the copy one backward's
+    consumers share."""
+
+    __slots__ = ("remake", "group", "world", "dim", "local_shape", "spec", "usage", "consumers", "unread", "work",
+                 "buffer", "value", "fingerprint")
+
+    def __init__(self, remake: Callable[[], Tensor], y: DTensor, usage: list):
+        self.remake = remake  # () -> the norm's local output (this rank's rows), bitwise the forward's
+        mesh = y.device_mesh
+        self.group, self.world, self.dim = mesh.get_group(0), mesh.size(), y.placements[0].dim
+        self.local_shape = y.to_local().shape
+        self.spec = (mesh, y.placements, y.shape, y.stride())
+        self.usage = usage  # the norm's [gathers, gathers some consumer took]: `_warn_unused`
+        self.consumers = self.unread = 0
+        self.work = self.buffer = self.value = self.fingerprint = None
+
+    def taken(self) -> None:
+        """A consumer's forward saved this instead of the gathered tensor."""
+        if not self.consumers:
+            self.usage[1] += 1
+        self.consumers += 1
+        output_recompute.count("saved_as_handle")
+
+    def start(self) -> None:
+        """Recompute the local output and launch its all-gather, once per backward (the consumer's dgrad GEMM runs
+        while it travels)."""
+        if self.value is not None or self.work is not None:
+            return
+        with torch.no_grad():
+            local = self.remake().view(self.local_shape)
+            output_recompute.count("recomputed")
+            self.unread = self.consumers
+            if self.local_shape[self.dim] * self.world == self.spec[2][self.dim]:  # even shards: one async gather
+                self.buffer = local.new_empty((self.world * self.local_shape[0], *self.local_shape[1:]))
+                self.work = _torch_compat.all_gather_single(self.buffer, local, self.group, async_op=True)
+            else:  # uneven shards: DTensor's own padded gather, as the forward's
+                self.value = as_dtensor(local, *self.spec).redistribute(placements=(Replicate(),)).to_local()
+
+    def take(self, seen: Tensor) -> Tensor:
+        """The gathered output again; `seen`: the fp32 sum of what this consumer's forward read."""
+        if self.value is None:
+            self.work.wait()
+            shape = list(self.local_shape)
+            shape[self.dim] *= self.world
+            self.value = self.buffer.view(self.world, *self.local_shape).movedim(0, self.dim).reshape(shape)
+            self.work = self.buffer = None
+        value = self.value
+        if self.fingerprint is None:
+            self.fingerprint = _fingerprint(value)
+        output_recompute.check_flag(torch.ne(self.fingerprint, seen), output_recompute.changed_output_error)
+        self.unread -= 1
+        if self.unread <= 0:  # every consumer of this backward has it: nothing holds a copy between backwards
+            self.value = self.fingerprint = None
+        return value
+
+
+def _fingerprint(t: Tensor) -> Tensor:
+    return torch.sum(t, dtype=torch.float32)
+
+
+class _RegatherLinear(torch.autograd.Function):
+    """F.linear on local tensors (x: the gathered output, w/b: this rank's column shard) that saves the weight and the
+    `GatheredOutput` instead of x. The backward computes what autograd's own linear backward computes, with the same
+    ops in the same layouts (bitwise the grads of torch's linear): dx = dy @ w, dw = dy^T @ x, db = sum(dy)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gathered: GatheredOutput):
+        gathered.taken()
+        ctx.gathered, ctx.x_shape = gathered, x.shape
+        ctx.seen = _fingerprint(x)
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gathered = ctx.gathered
+        (weight,) = ctx.saved_tensors
+        gathered.start()
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dy2.mm(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        x = gathered.take(ctx.seen)
+        dw = dy2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+class RegatherLinear(nn.Linear):
+    """An `nn.Linear` parallelized by `RegatherColwiseParallel`: reading a keep_output=False norm's gathered output in
+    a forward with grads, it keeps the norm's handle instead of the input; otherwise it is torch's linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gathered = None if torch.compiler.is_compiling() else getattr(x, _ATTR, None)
+        if gathered is None or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        weight, bias = self.weight, self.bias
+        local = _RegatherLinear.apply(x.to_local(grad_placements=(Partial(),)), weight.to_local(),
+                                      bias.to_local() if bias is not None else None, gathered)
+        return as_dtensor(local, weight.device_mesh, (Shard(x.dim() - 1),), (*x.shape[:-1], self.out_features),
+                          local.stride())
+
+
+class RegatherColwiseParallel(ColwiseParallel):
+    """torch's `ColwiseParallel`, for the linears that read a `SequenceParallelNorm(output_layouts=Replicate())`
+    norm's output. With the norm's `keep_output=False` they keep only the norm's shard for their backward and
+    gather it again there (module docstring); with `keep_output=True`, or any other input, they are torch's
+    `ColwiseParallel` exactly. Takes `nn.Linear` modules (their class becomes `RegatherLinear`, a subclass)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        # torch's ParallelStyle extension point (parallelize_module calls it); see shardnorm._torch_compat
+        if type(module) not in (nn.Linear, RegatherLinear):
+            raise TypeError(f"shardnorm: RegatherColwiseParallel takes torch.nn.Linear modules, got "
+                            f"{type(module).__name__}; use torch's ColwiseParallel for it")
+        torch_style = ColwiseParallel(input_layouts=self.input_layouts[0], output_layouts=self.output_layouts[0],
+                                      use_local_output=self.use_local_output)
+        module = parallelize_module(module, device_mesh, torch_style, src_data_rank=self.src_data_rank)
+        module.__class__ = RegatherLinear
+        return module
+
+
+def attach(norm: nn.Module, out: Tensor, y: DTensor) -> None:
+    """After a keep_output=False norm's eager forward gathered its output `y` into `out`: let `RegatherLinear`
+    consumers of `out` keep a `GatheredOutput` instead of `out`."""
+    remake = output_recompute.recompute_of(y)
+    if remake is None or not isinstance(out, DTensor) or y.device_mesh.ndim != 1 or not out.requires_grad:
+        return
+    usage = norm.__dict__.setdefault("_shardnorm_gather_usage", [0, 0])  # [gathers, gathers a consumer took]
+    usage[0] += 1
+    gathered = GatheredOutput(lambda: remake().to_local(), y, usage)
+    setattr(out, _ATTR, gathered)
+    if not usage[1] and not norm.__dict__.get("_shardnorm_warned_unused"):  # until some consumer has taken one
+        out.register_hook(lambda grad: _warn_if_unused(norm, gathered))
+
+
+def _warn_if_unused(norm: nn.Module, gathered: GatheredOutput) -> None:
+    """Once per norm, when the gathered output's grad is complete (every consumer's backward ran): no consumer took
+    it, so its consumers kept the gathered output."""
+    if gathered.consumers or norm.__dict__.get("_shardnorm_warned_unused"):
+        return
+    norm.__dict__["_shardnorm_warned_unused"] = True
+    warnings.warn(f"shardnorm: {type(norm).__name__} has keep_output=False and gathers its output "
+                  "(SequenceParallelNorm(output_layouts=Replicate())), but no consumer parallelized with "
+                  "shardnorm.distributed.RegatherColwiseParallel read it, so its consumers kept the gathered "
+                  "output: use RegatherColwiseParallel for the linears that read it")
