@@ -8,13 +8,12 @@ One autograd node, `_NormFunction`, takes every call; its forward and backward r
   rather than the kernels' output allocations, so selective activation checkpointing's policy can save or
   recompute it as a whole; a tensor subclass's dispatch unwraps its tensors.
 
-The ops are plain `torch.library` definitions with a fake impl and no autograd of their own (the Function is their
-autograd): a compiled graph calls them through the dispatcher alone. Registered with `torch.library.custom_op`
-instead, every call would also run Python autograd, redispatch and alias-check layers: a compiled RMSNorm
-forward+backward (8 x 2048 bf16, 2-GPU H100 host) costs 384 us more than Inductor's norm that way, 216 us more this
-way (`benchmarks/host_time.py`, rows `*_module_compiled`; docs/performance.md). The direct way exists for host
-time too: an eager forward+backward through the ops costs 20-26 % more (rows `shardnorm_ops` against
-`shardnorm_functional`).
+The ops are Triton ops (`torch.library.triton_op`) with no autograd of their own (the Function is their autograd).
+Compiled, AOTAutograd decomposes them into what their bodies record: on CUDA the plans' allocations and kernels,
+which Inductor launches from its generated code, so a compiled call runs none of shardnorm's Python (where Inductor
+cannot launch a kernel, an opaque op over the launchers: at the ops below). Called on real tensors they run the
+launchers behind custom ops' Python layers (autograd, redispatch): the direct way exists for host time (rows
+`shardnorm_ops` against `shardnorm_functional` of `benchmarks/host_time.py`; docs/performance.md).
 
 `norm_fwd(x, weight, bias, residual, eps, rms, zero_centered) -> (y, z, mean, rstd)` and
 `norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) -> (dx, dw, db)` work on 2-D [M, N]
@@ -48,7 +47,7 @@ def _backend(t: Tensor):
 
 @functools.cache
 def _kernels():
-    """The Triton backend, imported on first use: importing triton is slow and CPU runs don't need it."""
+    """The Triton backend, imported on first use: CPU runs on the torch backend never need it."""
     from . import kernels
 
     return kernels
@@ -83,11 +82,17 @@ def _backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_cente
 
 # ---- the ops: what torch.compile, dispatch modes and tensor subclasses see ----------------------------------------
 
+# The launchers as opaque ops (a plain `torch.library` definition: the dispatcher alone between a compiled graph and
+# the launchers): what a traced `norm_fwd` / `norm_bwd` records where Inductor cannot launch the kernels itself.
 _LIBRARY = torch.library.Library("shardnorm", "DEF")
-_LIBRARY.define("norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool rms, "
+_LIBRARY.define("norm_fwd_launch(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool rms, "
                 "bool zero_centered) -> (Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.define("norm_bwd(Tensor dy, Tensor? dz, Tensor src, Tensor? weight, Tensor? mean, Tensor rstd, "
+_LIBRARY.define("norm_bwd_launch(Tensor dy, Tensor? dz, Tensor src, Tensor? weight, Tensor? mean, Tensor rstd, "
                 "bool has_bias, bool rms, bool zero_centered) -> (Tensor, Tensor, Tensor)")
+
+_NO_AUTOGRAD = ("shardnorm::{} has no autograd of its own: for grads call shardnorm's norms (the modules, "
+                "shardnorm.layer_norm / rms_norm, shardnorm.ops.norm), whose autograd.Function calls it, or call it "
+                "under torch.no_grad()")
 
 
 def _refuse_grad(op: str, *tensors: Optional[Tensor]) -> None:
@@ -95,43 +100,102 @@ def _refuse_grad(op: str, *tensors: Optional[Tensor]) -> None:
     grad) gets an error rather than outputs whose grads would be silently missing. The Function calls them with
     grad mode off, as compiled graphs do."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError(f"shardnorm::{op} has no autograd of its own: for grads call shardnorm's norms (the "
-                           "modules, shardnorm.layer_norm / rms_norm, shardnorm.ops.norm), whose autograd.Function "
-                           "calls it, or call it under torch.no_grad()")
+        raise RuntimeError(_NO_AUTOGRAD.format(op))
 
 
-def _norm_fwd_impl(x, weight, bias, residual, eps, rms, zero_centered):
-    _refuse_grad("norm_fwd", x, weight, bias, residual)
-    _check_devices("norm_fwd", "x", x, weight=weight, bias=bias, residual=residual)
+def _norm_fwd_launch_impl(x, weight, bias, residual, eps, rms, zero_centered):
+    _refuse_grad("norm_fwd_launch", x, weight, bias, residual)
+    _check_devices("norm_fwd_launch", "x", x, weight=weight, bias=bias, residual=residual)
     return _present(_forward(x, weight, bias, residual, eps, rms, zero_centered), x)
 
 
-def _norm_bwd_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
-    _refuse_grad("norm_bwd", dy, dz, src, weight, mean, rstd)
-    _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd)
+def _norm_bwd_launch_impl(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
+    _refuse_grad("norm_bwd_launch", dy, dz, src, weight, mean, rstd)
+    _check_devices("norm_bwd_launch", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd)
     return _present(_backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
 
 
-_LIBRARY.impl("norm_fwd", _norm_fwd_impl, "CompositeExplicitAutograd")
-_LIBRARY.impl("norm_bwd", _norm_bwd_impl, "CompositeExplicitAutograd")
-norm_fwd = torch.ops.shardnorm.norm_fwd.default
-norm_bwd = torch.ops.shardnorm.norm_bwd.default
+_LIBRARY.impl("norm_fwd_launch", _norm_fwd_launch_impl, "CompositeExplicitAutograd")
+_LIBRARY.impl("norm_bwd_launch", _norm_bwd_launch_impl, "CompositeExplicitAutograd")
+_norm_fwd_launch = torch.ops.shardnorm.norm_fwd_launch.default
+_norm_bwd_launch = torch.ops.shardnorm.norm_bwd_launch.default
 
 
-@torch.library.register_fake("shardnorm::norm_fwd", lib=_LIBRARY)
-def _norm_fwd_fake(x, weight, bias, residual, eps, rms, zero_centered):
+@torch.library.register_fake("shardnorm::norm_fwd_launch", lib=_LIBRARY)
+def _norm_fwd_launch_fake(x, weight, bias, residual, eps, rms, zero_centered):
     M, N = x.shape
     z = x.new_empty((M, N), dtype=torch.result_type(x, residual)) if residual is not None else x.new_empty(0)
-    stats = lambda rows: x.new_empty(rows, dtype=torch.float32)  # noqa: E731
-    return x.new_empty((M, N)), z, stats(0 if rms else M), stats(M)
+    mean = x.new_empty(0) if rms else x.new_empty(M, dtype=torch.float32)  # absent: `_present`'s
+    return x.new_empty((M, N)), z, mean, x.new_empty(M, dtype=torch.float32)
 
 
-@torch.library.register_fake("shardnorm::norm_bwd", lib=_LIBRARY)
-def _norm_bwd_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
+@torch.library.register_fake("shardnorm::norm_bwd_launch", lib=_LIBRARY)
+def _norm_bwd_launch_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered):
     N = src.shape[1]
     dtype = weight.dtype if weight is not None else torch.float32
-    grad = lambda present: src.new_empty(N if present else 0, dtype=dtype)  # noqa: E731
+    grad = lambda present: src.new_empty(N, dtype=dtype) if present else rstd.new_empty(0)  # noqa: E731
     return src.new_empty(src.shape), grad(weight is not None), grad(has_bias)
+
+
+# `norm_fwd` / `norm_bwd`: Triton ops. Called on real tensors (eager through a dispatch mode or a tensor subclass)
+# their bodies run the launchers as the direct way does. Traced by torch.compile (AOTAutograd decomposes them: their
+# arguments are fake or functional tensors), a CUDA call records the plan's allocations and its kernels through
+# `torch.library.wrap_triton`, and Inductor launches the kernels from its generated code, with no Python of
+# shardnorm's per call (RMSNorm 8 x 4096 on an H200: docs/performance.md, "Host time per call"); Inductor's
+# analysis of what each kernel writes must find exactly its outputs (tests/test_traced_kernels.py). Where Inductor
+# cannot launch the kernel, the traced body records an opaque call of the launchers instead (`norm_fwd_launch` /
+# `norm_bwd_launch`), so compiled and eager calls still run the same kernels: the staged long-row kernels (Hopper:
+# Gluon, a cooperative grid with a persistent exchange buffer, and a choice per call by the tensors' alignment) and
+# the interpreted kernels of a CPU call with SHARDNORM_BACKEND=triton. The torch backend (CPU tensors by default)
+# is traced as the aten ops of `reference`. Registering them imports Triton, Inductor and Dynamo (triton_op reads
+# its functions' source for kernels, through Inductor's helpers): `import shardnorm` takes 1.0 s instead of 0.02 on
+# a CPU-only machine (torch 2.13).
+
+@torch.library.triton_op("shardnorm::norm_fwd", mutates_args=())
+def _norm_fwd_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+                 rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_devices("norm_fwd", "x", x, weight=weight, bias=bias, residual=residual)
+    backend = _backend(x)
+    if backend is not reference and type(x) not in _PLAIN:  # traced
+        out = backend.norm_fwd_traced(x, weight, bias, residual, eps, rms, zero_centered) if x.is_cuda else None
+        if out is None:
+            return _norm_fwd_launch(x, weight, bias, residual, eps, rms, zero_centered)
+        return _present(out, x)
+    return _present(_forward(x, weight, bias, residual, eps, rms, zero_centered), x)
+
+
+@torch.library.triton_op("shardnorm::norm_bwd", mutates_args=())
+def _norm_bwd_op(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
+                 rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor]:
+    _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd)
+    backend = _backend(src)
+    if backend is not reference and type(src) not in _PLAIN:  # traced
+        dy = dy.contiguous() if dy.stride()[-1] != 1 else dy
+        dz = dz.contiguous() if dz is not None and dz.stride()[-1] != 1 else dz
+        out = backend.norm_bwd_traced(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered) \
+            if src.is_cuda else None
+        if out is None:
+            return _norm_bwd_launch(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+        return _present(out, rstd)
+    return _present(_backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
+
+
+def _no_autograd(op: str):
+    """setup_context for an op: what custom ops run when autograd would record the call (grad mode on, an input
+    requiring grad), after the body; the error `_refuse_grad` gives the launch ops."""
+    def refuse(ctx, inputs, output):
+        raise RuntimeError(_NO_AUTOGRAD.format(op))
+    return refuse
+
+
+def _unreachable_backward(ctx, *grads):
+    raise AssertionError("shardnorm's ops record no autograd node (their setup_context raises)")
+
+
+_norm_fwd_op.register_autograd(_unreachable_backward, setup_context=_no_autograd("norm_fwd"))
+_norm_bwd_op.register_autograd(_unreachable_backward, setup_context=_no_autograd("norm_bwd"))
+norm_fwd = torch.ops.shardnorm.norm_fwd.default
+norm_bwd = torch.ops.shardnorm.norm_bwd.default
 
 
 # ---- the autograd.Function ---------------------------------------------------------------------------------------

@@ -1,5 +1,12 @@
 """Tile helpers of the backward kernels (`norm_bwd.py`: fused, split): one
-[BLOCK_M, BLOCK_N] tile's loads, its dx, and the dgamma/dbeta partial sums a program keeps."""
+[BLOCK_M, BLOCK_N] tile's loads, its dx, and the dgamma/dbeta partial sums a program keeps.
+
+Row and column indices (`_tile_rows`, `_column_tile`) come from helpers that take no pointer, and the helpers
+that take pointers return loaded values only: Inductor's analysis of which arguments a kernel writes
+(`torch.library.wrap_triton`, the compiled path of `ops`) follows a stored address back through the call that
+made any part of it, and an index returned by a helper that also read SRC, DY or W would mark those as written
+(Inductor then copies them before every launch, or fails on a leaf that requires grad). tests/test_traced_kernels.py
+holds the analysis to each kernel's outputs."""
 
 import triton
 import triton.language as tl
@@ -8,35 +15,39 @@ from .norm_fwd import _load_params
 
 
 @triton.jit
-def _row_tile(SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
-              IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-              PARAMS_LOADED: tl.constexpr):
-    """Load the tile of row block `block` and columns `cols`; return its rows (int64), row mask and
-    tile mask, and (xhat, dy, w * dy, rstd), all fp32, zero outside the mask. The weights are read
-    here, after x and dy, unless the caller holds them (PARAMS_LOADED: w)."""
-    rows64, row_mask, mask, x, dy, mean, rstd = _load_tile(SRC, DY, MEAN, RSTD, block, cols, col_mask, M, stride_src,
-                                                           stride_dy, BLOCK_M, IS_RMS)
-    xhat, dy, wdy = _tile_values(x, dy, mean, rstd, mask, W, w, cols, col_mask, IS_RMS, HAS_WEIGHT, ZERO_CENTERED,
-                                 PARAMS_LOADED)
-    return rows64, row_mask, mask, xhat, dy, wdy, rstd
-
-
-@triton.jit
-def _load_tile(SRC, DY, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M: tl.constexpr,
-               IS_RMS: tl.constexpr):
-    """The loads of `_row_tile`: x and dy as stored, the rows' mean (LayerNorm; else rstd again) and
-    rstd. Apart so that a caller can have them in flight across a wait before using them."""
+def _tile_rows(block, col_mask, M, BLOCK_M: tl.constexpr):
+    """Rows of row block `block` (int64), their mask and the tile's mask over columns `col_mask`."""
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows64 = rows.to(tl.int64)
     mask = row_mask[:, None] & col_mask[None, :]
+    return rows64, row_mask, mask
+
+
+@triton.jit
+def _row_tile(SRC, DY, W, w, MEAN, RSTD, rows64, row_mask, mask, cols, col_mask, stride_src, stride_dy,
+              IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+              PARAMS_LOADED: tl.constexpr):
+    """Load the tile of rows `rows64` (`_tile_rows`) and columns `cols`; return (xhat, dy, w * dy, rstd), all
+    fp32, zero outside the mask. The weights are read here, after x and dy, unless the caller holds them
+    (PARAMS_LOADED: w)."""
+    x, dy, mean, rstd = _load_tile(SRC, DY, MEAN, RSTD, rows64, row_mask, mask, cols, stride_src, stride_dy, IS_RMS)
+    xhat, dy, wdy = _tile_values(x, dy, mean, rstd, mask, W, w, cols, col_mask, IS_RMS, HAS_WEIGHT, ZERO_CENTERED,
+                                 PARAMS_LOADED)
+    return xhat, dy, wdy, rstd
+
+
+@triton.jit
+def _load_tile(SRC, DY, MEAN, RSTD, rows64, row_mask, mask, cols, stride_src, stride_dy, IS_RMS: tl.constexpr):
+    """The loads of `_row_tile`: x and dy as stored, the rows' mean (LayerNorm; else rstd again) and
+    rstd. Apart so that a caller can have them in flight across a wait before using them."""
     x = tl.load(SRC + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
     dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
     rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
     mean = rstd
     if not IS_RMS:
         mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
-    return rows64, row_mask, mask, x, dy, mean, rstd
+    return x, dy, mean, rstd
 
 
 @triton.jit
@@ -77,15 +88,12 @@ def _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz,
 
 
 @triton.jit
-def _column_program(W, N, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr, HOIST_PARAMS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (column tile t, row group g) of a 2-D grid: t, g, its columns, their mask and its
-    state across row blocks (`_program_state`)."""
+def _column_tile(N, BLOCK_N: tl.constexpr):
+    """Program (column tile t, row group g) of a 2-D grid: t, g, its columns and their mask."""
     tile = tl.program_id(0)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, BLOCK_M, BLOCK_N)
-    return tile, tl.program_id(1), cols, col_mask, w, dw_acc, db_acc
+    return tile, tl.program_id(1), cols, col_mask
 
 
 @triton.jit

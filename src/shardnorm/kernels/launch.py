@@ -11,6 +11,7 @@ interpreter always takes the plain path. Triton's internals stay in this file.
 import operator
 
 from torch import Tensor
+from torch.library import wrap_triton
 from torch.nn import Parameter
 from triton import knobs
 from triton.runtime.driver import driver
@@ -83,6 +84,13 @@ class Launcher:
         else:  # building launch metadata nobody reads costs as much as the launch
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
                          *self.trailing)
+
+    def traced(self, grid: tuple, *args) -> None:
+        """This launch recorded through `torch.library.wrap_triton`, for the ops' bodies while torch.compile traces
+        them: Inductor launches the kernel from its generated code, with this num_warps and these constexprs. The
+        staged kernels (Gluon, cooperative grids, a persistent exchange buffer) are not launched this way
+        (ops.py)."""
+        wrap_triton(self.kernel)[grid](*args, **self.options, **self.constexprs)
 
 
 def triton_specialization(kernel: JITFunction, target, args: tuple, constexprs: dict) -> tuple:

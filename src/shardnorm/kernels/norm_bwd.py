@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import config
-from .bwd_tiles import _accumulate, _column_program, _program_state, _row_tile, _store_dx, _store_partials
+from .bwd_tiles import _accumulate, _column_tile, _program_state, _row_tile, _store_dx, _store_partials, _tile_rows
 from .launch import Launcher
 
 
@@ -39,15 +39,16 @@ def norm_bwd_kernel(SRC, DY, DZ, W, MEAN, RSTD, DX, DW_OUT, DB_OUT,
         tail_w, tail_dw, tail_db = _program_state(W, tail_cols, tail_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS,
                                                   BLOCK_M, TAIL_N)
     for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
-        rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
-            SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-            IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
+        rows64, row_mask, mask = _tile_rows(block, col_mask, M, BLOCK_M)
+        xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, w, MEAN, RSTD, rows64, row_mask, mask, cols, col_mask,
+                                        stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
         sum_xwdy = tl.sum(xhat * wdy, axis=1)
         sum_wdy = tl.sum(wdy, axis=1)
         if TAIL_N > 0:
-            _, _, tail_tile_mask, tail_xhat, tail_dy, tail_wdy, _ = _row_tile(
-                SRC, DY, W, tail_w, MEAN, RSTD, block, tail_cols, tail_mask, M, stride_src, stride_dy,
-                BLOCK_M, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
+            _, _, tail_tile_mask = _tile_rows(block, tail_mask, M, BLOCK_M)
+            tail_xhat, tail_dy, tail_wdy, _ = _row_tile(SRC, DY, W, tail_w, MEAN, RSTD, rows64, row_mask,
+                                                        tail_tile_mask, tail_cols, tail_mask, stride_src, stride_dy,
+                                                        IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
             sum_xwdy += tl.sum(tail_xhat * tail_wdy, axis=1)
             sum_wdy += tl.sum(tail_wdy, axis=1)
         c1 = sum_xwdy / N
@@ -87,13 +88,13 @@ def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, strid
     """Split backward, pass 1. Program (t, g) takes column tile t of row groups g, g + G, ...: per row
     it writes the tile's sums of xhat*w*dy and w*dy (LayerNorm) to ROW_SUMS[0|1, row, t]; it keeps the
     tile's dgamma/dbeta sums in registers and writes them as row g of the partial buffer."""
-    tile, group, cols, col_mask, w, dw_acc, db_acc = _column_program(W, N, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS,
-                                                                     BLOCK_M, BLOCK_N)
+    tile, group, cols, col_mask = _column_tile(N, BLOCK_N)
+    w, dw_acc, db_acc = _program_state(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS, BLOCK_M, BLOCK_N)
     num_tiles = tl.num_programs(0)
     for block in tl.range(group, tl.cdiv(M, BLOCK_M), tl.num_programs(1), num_stages=NUM_STAGES):
-        rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
-            SRC, DY, W, w, MEAN, RSTD, block, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-            IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
+        rows64, row_mask, mask = _tile_rows(block, col_mask, M, BLOCK_M)
+        xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, w, MEAN, RSTD, rows64, row_mask, mask, cols, col_mask,
+                                        stride_src, stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, HOIST_PARAMS)
         sums_at = ROW_SUMS + rows64 * num_tiles + tile
         tl.store(sums_at, tl.sum(xhat * wdy, axis=1), mask=row_mask)
         if not IS_RMS:
@@ -113,9 +114,9 @@ def dx_kernel(SRC, DY, DZ, W, MEAN, RSTD, ROW_SUMS, DX, stride_src, stride_dy, s
     pid = tl.program_id(0)
     cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    rows64, row_mask, mask, xhat, dy, wdy, rstd = _row_tile(
-        SRC, DY, W, 1.0, MEAN, RSTD, pid // col_tiles, cols, col_mask, M, stride_src, stride_dy, BLOCK_M,
-        IS_RMS, HAS_WEIGHT, ZERO_CENTERED, False)
+    rows64, row_mask, mask = _tile_rows(pid // col_tiles, col_mask, M, BLOCK_M)
+    xhat, dy, wdy, rstd = _row_tile(SRC, DY, W, 1.0, MEAN, RSTD, rows64, row_mask, mask, cols, col_mask, stride_src,
+                                    stride_dy, IS_RMS, HAS_WEIGHT, ZERO_CENTERED, False)
     tiles = tl.arange(0, SUM_TILES)
     sums_at = ROW_SUMS + rows64[:, None] * NUM_SUM_TILES + tiles[None, :]
     sums_mask = row_mask[:, None] & (tiles < NUM_SUM_TILES)[None, :]
@@ -152,6 +153,23 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     plan = _plan(n, weight.dtype if weight is not None else None, has_bias, dz is not None, rms, zero_centered,
                  device, kernels)
     return plan(dy, dz, src, weight, mean, rstd)
+
+
+def norm_bwd_traced(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool):
+    """`norm_bwd` as torch.compile traces it (fake or functional CUDA tensors): the same plan's outputs allocated
+    with torch ops and its kernels recorded through `torch.library.wrap_triton`, so that Inductor launches them.
+    None where the plan is the staged backward (a cooperative Gluon launch with a persistent exchange buffer,
+    chosen per call by the tensors' alignment, which a trace does not know): the caller then records an opaque
+    call of the launchers instead."""
+    n = int(src.shape[1])  # a symbolic N specialized: plans are per N
+    kernels = config.specialized(src.device) if n >= config.MIN_LONG_N_BWD else ""
+    plan = _plan(n, weight.dtype if weight is not None else None, has_bias, dz is not None, rms, zero_centered,
+                 src.device, kernels)
+    if isinstance(plan.cfg, config.StagedConfig):
+        if src.element_size() == 2 and dy.element_size() == 2:
+            return None
+        plan = plan.portable()  # what the staged plan hands these rows to
+    return plan.traced(dy, dz, src, weight, mean, rstd)
 
 
 def _stageable(src, dy, weight) -> bool:
@@ -264,4 +282,39 @@ class _BwdPlan:
         out_w = dweight if weight is not None else dbias
         self.column_sum((self.column_programs,), partial, out_w, out_w if dbias is None else dbias, partial_rows, N,
                         num_grads * N)
+        return dx, dweight, dbias
+
+    def traced(self, dy, dz, src, weight, mean, rstd):
+        """`__call__`'s portable launches through `Launcher.traced` (M may be symbolic: no per-M cache). Arguments
+        a kernel does not write are never outputs of another launch in it: the fused backward's DB_OUT is None
+        unless it stores dbias itself, and the column sum's OUT_B a buffer of its own where there is one grad
+        (Inductor copies every written argument, and two written arguments must not alias)."""
+        M, N = src.shape
+        device = src.device
+        num_grads = self.num_grads
+        dx = torch.empty_like(src)
+        partial_rows, dx_tiles, direct = self._grid(M)
+        dweight = torch.empty(N, dtype=self.grad_dtype, device=device) if weight is not None else None
+        dbias = torch.empty(N, dtype=self.grad_dtype, device=device) if self.has_bias else None
+        partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) \
+            if num_grads and not direct else None
+        dz_stride = dz.stride()[0] if dz is not None else 0
+        if self.split:
+            row_sums = torch.empty((self.row_sum_kinds, M, self.sum_tiles), dtype=torch.float32, device=device)
+            if M or num_grads:
+                self.row_sums.traced((self.sum_tiles, partial_rows), src, dy, weight, mean, rstd, row_sums, partial,
+                                     src.stride()[0], dy.stride()[0], M, N)
+            if M:
+                self.dx.traced((dx_tiles,), src, dy, dz, weight, mean, rstd, row_sums, dx, src.stride()[0],
+                               dy.stride()[0], dz_stride, M, N, self.sum_tiles)
+        elif M or num_grads:
+            launch, grads = (self.direct, (dweight, dbias)) if direct else (self.fused, (partial, None))
+            launch.traced((partial_rows,), src, dy, dz, weight, mean, rstd, dx, *grads, src.stride()[0],
+                          dy.stride()[0], dz_stride, M, N)
+        if not num_grads or direct:
+            return dx, dweight, dbias
+        out_w, out_b = (dweight, dbias) if num_grads == 2 else (dweight if weight is not None else dbias, None)
+        if out_b is None:
+            out_b = torch.empty(0, dtype=out_w.dtype, device=device)
+        self.column_sum.traced((self.column_programs,), partial, out_w, out_b, partial_rows, N, num_grads * N)
         return dx, dweight, dbias

@@ -191,6 +191,21 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     return plan(x, weight, bias, residual, eps)
 
 
+def norm_fwd_traced(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bool):
+    """`norm_fwd` as torch.compile traces it (x a fake or functional CUDA tensor): the same plan's outputs allocated
+    with torch ops and its kernel recorded through `torch.library.wrap_triton`, so that Inductor launches it. None
+    where the plan may take the staged forward (a Gluon kernel, chosen per call by the tensors' alignment, which
+    a trace does not know): the caller then records an opaque call of the launchers instead."""
+    n = int(x.shape[1])  # a symbolic N specialized: plans are per N
+    param = weight if weight is not None else bias
+    kernels = config.specialized(x.device) if n > config.MAX_FUSED_N_FWD else ""
+    plan = _plan(n, param.element_size() if param is not None else 2, weight is not None, bias is not None,
+                 residual is not None, rms, zero_centered, x.device, kernels)
+    if plan.staged is not None and x.element_size() == 2:  # other rows never take it
+        return None
+    return plan.traced(x, weight, bias, residual, eps)
+
+
 def _stageable_params(weight, bias) -> bool:
     """What the staged forward's parameter copies need: 16-byte aligned addresses (`config.staged_params`), and
     a bias as wide as the weight (the plan sizes shared memory by the weight's width)."""
@@ -250,4 +265,17 @@ class _FwdPlan:
             programs = config.per_m(self.programs, M, self._programs)
             self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
                         residual.stride()[0] if residual is not None else 0, M, N, eps)
+        return y, z, mean, rstd
+
+    def traced(self, x, weight, bias, residual, eps):
+        """`__call__`'s portable launch through `Launcher.traced` (M may be symbolic: no per-M cache)."""
+        M, N = x.shape
+        y = torch.empty_like(x)
+        z = torch.empty((M, N), dtype=torch.result_type(x, residual), device=x.device) if residual is not None \
+            else None
+        mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+        if M:
+            self.kernel.traced((self._programs(M),), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
+                               residual.stride()[0] if residual is not None else 0, M, N, eps)
         return y, z, mean, rstd
