@@ -304,9 +304,9 @@ def _copy_kernel(X, Y, N, BLOCK: tl.constexpr):
     tl.store(Y + cols, tl.load(X + cols, mask=cols < N), mask=cols < N)
 
 
-def test_triton_kernel_writes_names_what_inductor_copies(monkeypatch):
-    """Inductor's analysis of a wrap_triton kernel, on a kernel compiled for an sm_90 target given to Triton (no GPU
-    needed; a JITFunction of its own, compiled even under TRITON_INTERPRET)."""
+def _copy_kernel_writes() -> list:
+    """What `triton_kernel_writes` finds `_copy_kernel` writes, compiled for an sm_90 target given to Triton as its
+    active driver (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
@@ -314,7 +314,23 @@ def test_triton_kernel_writes_names_what_inductor_copies(monkeypatch):
     class Hopper:
         get_current_target = staticmethod(lambda: GPUTarget("cuda", 90, 32))
 
-    monkeypatch.setattr(type(triton.runtime.driver), "active", property(lambda self: Hopper()))
-    x, y = torch.zeros(8), torch.zeros(8)
-    writes = compat.triton_kernel_writes(JITFunction(_copy_kernel), dict(X=x, Y=y, N=8, BLOCK=8))
+    triton.runtime.driver.set_active(Hopper())
+    return compat.triton_kernel_writes(JITFunction(_copy_kernel), dict(X=torch.zeros(8), Y=torch.zeros(8), N=8, BLOCK=8))
+
+
+def test_triton_kernel_writes_names_what_inductor_copies():
+    """Inductor's analysis of a wrap_triton kernel, in a process without TRITON_INTERPRET: a kernel interpreted
+    earlier in the same process leaves Triton's language patched, and every later compile of a kernel fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, test_torch_compat as t; print(json.dumps(t._copy_kernel_writes()))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    writes = json.loads(run.stdout.splitlines()[-1])
     assert writes == ["Y"], _gone(f"triton_kernel_wrap.identify_mutated_tensors / identify_accessed_tensors ({writes})")

@@ -98,7 +98,9 @@ def row_sums_kernel(SRC, DY, W, MEAN, RSTD, ROW_SUMS, PARTIAL, stride_src, strid
         sums_at = ROW_SUMS + rows64 * num_tiles + tile
         tl.store(sums_at, tl.sum(xhat * wdy, axis=1), mask=row_mask)
         if not IS_RMS:
-            tl.store(sums_at + M.to(tl.int64) * num_tiles, tl.sum(wdy, axis=1), mask=row_mask)
+            # tl.cast, not M.to: Inductor's write analysis (torch 2.11) compiles the kernel with its scalar
+            # arguments as Python constants, which have no .to (dx_kernel's load too)
+            tl.store(sums_at + tl.cast(M, tl.int64) * num_tiles, tl.sum(wdy, axis=1), mask=row_mask)
         dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, HAS_WEIGHT, HAS_BIAS)
     _store_partials(dw_acc, db_acc, PARTIAL, group, cols, col_mask, N, HAS_WEIGHT, HAS_BIAS)
 
@@ -124,7 +126,7 @@ def dx_kernel(SRC, DY, DZ, W, MEAN, RSTD, ROW_SUMS, DX, stride_src, stride_dy, s
     if IS_RMS:
         c2 = c1
     else:
-        c2 = tl.sum(tl.load(sums_at + M.to(tl.int64) * NUM_SUM_TILES, mask=sums_mask, other=0.0), axis=1) / N
+        c2 = tl.sum(tl.load(sums_at + tl.cast(M, tl.int64) * NUM_SUM_TILES, mask=sums_mask, other=0.0), axis=1) / N
     _store_dx(xhat, wdy, rstd, c1, c2, DX, DZ, rows64, cols, mask, N, stride_dz, IS_RMS, HAS_DZ)
 
 

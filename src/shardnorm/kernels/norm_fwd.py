@@ -109,6 +109,9 @@ def norm_fwd_kernel(X, RES, W, B, Y, Z, MEAN, RSTD,
                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
                     SINGLE_PASS: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr):
+    # eps in fp32 whatever its type here: Triton's launcher passes a Python float as fp32, Inductor's generated
+    # launch (the compiled ops) as fp64, which would carry the statistics and y into fp64
+    eps = tl.cast(eps, tl.float32)
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
