@@ -4,19 +4,23 @@ In a pre-norm decoder the norm's output y is saved by every matmul that reads it
 norm already keeps what recomputing y takes: its input x (or z = x + residual) and its statistics. With
 `keep_output=False` the consumers save a handle instead of y, and y is made again, bitwise, when the first of
 their backwards unpacks it (Megatron-Core's output-discarding recompute, `--recompute-modules layernorm`,
-without naming the consumers). Under sequence parallelism the same handle stands for the norm's all-gathered
-output (`SequenceParallelNorm(output_layouts=Replicate())`): each rank keeps only its shard's input, and the
-unpack recomputes the local output and all-gathers it again (Megatron-Core's and TransformerEngine's SP
-activation memory, for torch-native tensor parallelism).
+without naming the consumers).
 
-The mechanism is torch's own, `torch.autograd.graph.saved_tensors_hooks`, pushed at the outermost module call while
-some norm discards (docs/memory.md describes scope, pack, unpack and the checks). A save of a tracked output (a view
-or an alias of it, or a DTensor made around it), unchanged since the norm's forward, packs a handle; every other
-tensor packs a detached alias with its version, which unpack checks as autograd itself would (hooks turn off
-autograd's own check). The first unpack of a backward recomputes the output with the same kernel on the same input,
-the others share it. The user's tensor is never touched: y's memory goes when nothing holds it any more, and stays,
-correct, where something does. An input changed in place (version counter) or through `.data` (the recompute's
-statistics against the forward's, bitwise, read once at the end of the backward) raises `KeepOutputError`.
+Where: inside the forward of a model handed to `shardnorm.convert(model, keep_output=False)` (`scope`: a forward
+pre-hook and a forward hook on that model, nothing process-wide), which pushes torch's
+`torch.autograd.graph.saved_tensors_hooks` while some norm of the model discards and its consumers do not own the
+saving. Under sequence parallelism with the norm gathering its own output they do: the consumers parallelized with
+`RegatherColwiseParallel` keep the norm's shard and gather it again (`distributed/regather.py`), with no hooks; the
+norm only leaves its `_Remake` on its output (`REMAKE_ATTR`).
+
+Pack and unpack (docs/memory.md): a save of a tracked output (a view or an alias of it, or a DTensor made around
+it), unchanged since the norm's forward, packs a handle; every other tensor packs a detached alias with its
+version, which unpack checks as autograd itself would (hooks turn off autograd's own check). The first unpack of a
+backward recomputes the output with the same kernel on the same input, the others share it. The user's tensor is
+never touched: y's memory goes when nothing holds it any more, and stays, correct, where something does. An input
+changed in place (version counter) or through `.data` (the recompute's statistics against the forward's, bitwise),
+or an output written behind autograd before a consumer saved it (an fp32 sum), raises `KeepOutputError`; on a
+device the flags are read once, at the end of the backward.
 
 Under torch.compile the hooks step aside; a norm with keep_output=False is traced inside a selective
 activation checkpoint that recomputes its forward op instead (`compiled_norm`), so AOTAutograd's partitioner
@@ -187,6 +191,7 @@ def _reset(scope: _Scope) -> None:
 
 # ---- the recompute handle ---------------------------------------------------------------------------------------
 
+REMAKE_ATTR = "_shardnorm_remake"  # on a tracked DTensor output: its `_Remake` (this rank's rows again)
 _ATTR = "_shardnorm_recompute"  # a tracked DTensor output's handle (a DTensor has no storage of its own)
 # A tracked plain output's handle, by its storage: consumers may save an alias that is no view of it (a framework's
 # module-output hook that returns `y.detach()`, as ZeRO-3's does), and the entry goes with the storage.
@@ -372,6 +377,9 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
             bias = bias.to(kernel_weight.dtype) if bias is not None else None
     remake = _Remake(owner, src, versioned, weight, bias, eps, rms, zero_centered, n, y_local.dtype, stats)
     if _torch_compat.is_dtensor(y):
+        setattr(y, REMAKE_ATTR, remake)  # what a gathering style's consumers re-gather from (distributed/regather.py)
+        if _scope.hooks is None:
+            return
         mesh, placements, shape, stride, local_shape = y.device_mesh, y.placements, y.shape, y.stride(), y_local.shape
 
         def make():
@@ -455,8 +463,11 @@ def check_flag(flag: Tensor, error) -> None:
 def _check_pending(task: int) -> None:
     with _pending_lock:
         pending = _pending_checks.pop(task, [])
-    for flag, error in pending:
-        if flag.item():
+    if not pending:
+        return
+    flags = torch.stack([flag for flag, _ in pending]).tolist()  # one device-to-host read for the whole backward
+    for set_, (_, error) in zip(flags, pending):
+        if set_:
             raise error()
 
 

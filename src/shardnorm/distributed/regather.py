@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from shardnorm import _torch_compat, output_recompute
+from shardnorm import _torch_compat, ops, output_recompute
 from shardnorm.rows import as_dtensor
 
 _ATTR = "_shardnorm_gathered"  # on the norm's gathered output DTensor: its GatheredOutput
@@ -40,12 +40,12 @@ class GatheredOutput:
                  "buffer", "value", "fingerprint")
 
     def __init__(self, remake: Callable[[], Tensor], y: DTensor, usage: list):
-        self.remake = remake  # () -> the norm's local output (this rank's rows), bitwise the forward's
+        self.remake = remake  # () -> the norm's local output rows, bitwise the forward's (`output_recompute._Remake`)
         mesh = y.device_mesh
-        self.group, self.world, self.dim = mesh.get_group(0), mesh.size(), y.placements[0].dim
-        self.local_shape = y.to_local().shape
+        self.group, self.world, self.dim = usage[2], mesh.size(), y.placements[0].dim
+        self.local_shape = _torch_compat.dtensor_local(y).shape
         self.spec = (mesh, y.placements, y.shape, y.stride())
-        self.usage = usage  # the norm's [gathers, gathers some consumer took]: `_warn_unused`
+        self.usage = usage  # the norm's [gathers, gathers some consumer took, group]: `_warn_if_unused`
         self.consumers = self.unread = 0
         self.work = self.buffer = self.value = self.fingerprint = None
 
@@ -94,29 +94,69 @@ def _fingerprint(t: Tensor) -> Tensor:
 
 
 class _RegatherLinear(torch.autograd.Function):
-    """F.linear on local tensors (x: the gathered output, w/b: this rank's column shard) that saves the weight and the
-    `GatheredOutput` instead of x. The backward computes what autograd's own linear backward computes, with the same
-    ops in the same layouts (bitwise the grads of torch's linear): dx = dy @ w, dw = dy^T @ x, db = sum(dy)."""
+    """F.linear of the gathered output `x` (a `Replicate` DTensor) and this rank's column shard (`weight`, `bias`:
+    `Shard(0)` DTensors) on their local tensors, saving the weight and the `GatheredOutput` instead of x; takes and
+    returns DTensors with cached specs (`_Specs`: no `to_local` / `from_local` nodes). The backward computes what
+    autograd's own linear backward computes, with the same ops in the same layouts (bitwise the grads of torch's
+    linear): dx = dy @ w (a `Partial` sum over the tensor-parallel ranks), dw = dy^T @ x, db = sum(dy)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gathered: GatheredOutput):
+    def forward(ctx, x, weight, bias, gathered: GatheredOutput, specs: "_Specs"):
+        local = _torch_compat.dtensor_local
+        x_local, w = local(x), local(weight)
         gathered.taken()
-        ctx.gathered, ctx.x_shape = gathered, x.shape
-        ctx.seen = _fingerprint(x)
-        ctx.save_for_backward(weight)
-        return F.linear(x, weight, bias)
+        ctx.gathered, ctx.specs, ctx.x_meta = gathered, specs, (x.shape, x.stride(), x.dtype, x_local.shape)
+        ctx.param_meta = [(p.shape, p.stride()) if p is not None else None for p in (weight, bias)]
+        ctx.seen = _fingerprint(x_local)
+        ctx.save_for_backward(w)
+        y = F.linear(x_local, w, local(bias) if bias is not None else None)
+        return _torch_compat.dtensor_with_spec(y, specs.get(weight.device_mesh, (Shard(y.dim() - 1),),
+                                                            (*x.shape[:-1], weight.shape[0]), y.stride(), y.dtype))
 
     @staticmethod
     def backward(ctx, dy):
-        gathered = ctx.gathered
-        (weight,) = ctx.saved_tensors
+        gathered, specs = ctx.gathered, ctx.specs
+        (w,) = ctx.saved_tensors
+        mesh = gathered.spec[0]
+        if dy.placements[0] != Shard(dy.dim() - 1):
+            dy = dy.redistribute(placements=(Shard(dy.dim() - 1),))
         gathered.start()
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dy2.mm(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dy_local = _torch_compat.dtensor_local(dy)
+        dy2 = dy_local.reshape(-1, dy_local.shape[-1])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            shape, stride, dtype, local_shape = ctx.x_meta
+            dx = _torch_compat.dtensor_with_spec(dy2.mm(w).view(local_shape),
+                                                 specs.get(mesh, (Partial(),), shape, stride, dtype))
         x = gathered.take(ctx.seen)
-        dw = dy2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        db = dy2.sum(0) if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None
+        (w_shape, w_stride), b_meta = ctx.param_meta
+        dw = db = None
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t().mm(x.reshape(-1, x.shape[-1]))
+            dw = _torch_compat.dtensor_with_spec(dw, specs.get(mesh, (Shard(0),), w_shape, w_stride, dw.dtype))
+        if ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+            db = _torch_compat.dtensor_with_spec(db, specs.get(mesh, (Shard(0),), *b_meta, db.dtype))
+        return dx, dw, db, None, None
+
+
+class _Specs:
+    """A consumer's DTensorSpecs by (placements, shape, stride, dtype): built once, not per call."""
+
+    __slots__ = ("specs",)
+    LIMIT = 64  # sequence lengths and dtypes a module sees
+
+    def __init__(self):
+        self.specs = {}
+
+    def get(self, mesh, placements: tuple, shape, stride, dtype):
+        key = (placements, tuple(shape), tuple(stride), dtype)
+        spec = self.specs.get(key)
+        if spec is None:
+            if len(self.specs) >= self.LIMIT:
+                self.specs.clear()
+            spec = self.specs[key] = _torch_compat.dtensor_spec(mesh, placements, shape, stride, dtype)
+        return spec
 
 
 class RegatherLinear(nn.Linear):
@@ -125,13 +165,13 @@ class RegatherLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         gathered = None if torch.compiler.is_compiling() else getattr(x, _ATTR, None)
-        if gathered is None or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+        if gathered is None or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) \
+                or ops._dispatch_modes_active():
             return super().forward(x)
-        weight, bias = self.weight, self.bias
-        local = _RegatherLinear.apply(x.to_local(grad_placements=(Partial(),)), weight.to_local(),
-                                      bias.to_local() if bias is not None else None, gathered)
-        return as_dtensor(local, weight.device_mesh, (Shard(x.dim() - 1),), (*x.shape[:-1], self.out_features),
-                          local.stride())
+        specs = self.__dict__.get("_shardnorm_specs")
+        if specs is None:
+            specs = self.__dict__["_shardnorm_specs"] = _Specs()
+        return _RegatherLinear.apply(x, self.weight, self.bias, gathered, specs)
 
 
 class RegatherColwiseParallel(ColwiseParallel):
@@ -155,12 +195,14 @@ class RegatherColwiseParallel(ColwiseParallel):
 def attach(norm: nn.Module, out: Tensor, y: DTensor) -> None:
     """After a keep_output=False norm's eager forward gathered its output `y` into `out`: let `RegatherLinear`
     consumers of `out` keep a `GatheredOutput` instead of `out`."""
-    remake = output_recompute.recompute_of(y)
+    remake = getattr(y, output_recompute.REMAKE_ATTR, None)
     if remake is None or not isinstance(out, DTensor) or y.device_mesh.ndim != 1 or not out.requires_grad:
         return
-    usage = norm.__dict__.setdefault("_shardnorm_gather_usage", [0, 0])  # [gathers, gathers a consumer took]
+    usage = norm.__dict__.get("_shardnorm_gather_usage")
+    if usage is None:  # [gathers, gathers a consumer took, the mesh's group]
+        usage = norm.__dict__["_shardnorm_gather_usage"] = [0, 0, y.device_mesh.get_group(0)]
     usage[0] += 1
-    gathered = GatheredOutput(lambda: remake().to_local(), y, usage)
+    gathered = GatheredOutput(remake, y, usage)
     setattr(out, _ATTR, gathered)
     if not usage[1] and not norm.__dict__.get("_shardnorm_warned_unused"):  # until some consumer has taken one
         out.register_hook(lambda grad: _warn_if_unused(norm, gathered))
