@@ -5,9 +5,10 @@ plan, `--compile`, FSDP2 over a dp=1 mesh dim with bf16 compute and fp32 grad re
 - torch:            torch.nn.RMSNorm + `SequenceParallel`; the consumers' `PrepareModuleInput` all-gathers, and
                     every rank saves the gathered norm output in full for backward.
 - shardnorm:        converted norms, `SequenceParallelNorm(output_layouts=Replicate())`: the norm gathers (the
-                    same one all-gather), the consumers save the gathered output as before.
-- shardnorm_recompute: the same with keep_output=False: the consumers save a recompute handle; the backward
-                    recomputes the local output and all-gathers it again.
+                    same one all-gather); its consumers, `RegatherColwiseParallel`, save the gathered output as
+                    torch's `ColwiseParallel` does.
+- shardnorm_recompute: the same with keep_output=False: the consumers keep the norm's shard instead; their backward
+                    recomputes the local output and all-gathers it again, overlapped with their dgrad GEMM.
 
 Per rank: the bytes a forward leaves allocated (what the backward will read: activations plus the logits), the
 peak of a whole step over the allocation before it (GPU only), the step time as alternating pairs against the

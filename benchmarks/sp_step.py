@@ -7,8 +7,10 @@ gate/up) and a row-parallel output back to the sequence shard. Variants, all on 
 - `torch`: `nn.RMSNorm` under `SequenceParallel`, the sublayer gathering the norm's shard once for both consumers
   (`PrepareModuleInput`, torchtitan's plan);
 - `shardnorm`: the README's recipe, `SequenceParallelNorm(output_layouts=Replicate())` (the norm gathers its own
-  output), `attach_reducer`, micro-batches but the last inside `shardnorm.accumulate`;
-- `shardnorm_discard`: the same with `keep_output=False` (each rank keeps its shard; the gather is redone in backward).
+  output) read by `RegatherColwiseParallel` consumers, `attach_reducer`, micro-batches but the last inside
+  `shardnorm.accumulate`;
+- `shardnorm_discard`: the same with `keep_output=False` (each rank keeps its shard; the consumers gather it again in
+  backward, overlapped with their dgrad GEMM).
 
 A step is MICRO_BATCHES forward+backward passes and an SGD step. Per round every variant runs `--steps` timed steps
 (after `--warmup`), in an order rotated each round; each round's ratio of median step times is one sample, and the
@@ -34,7 +36,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 import shardnorm
 from benchmarks import common
-from shardnorm.distributed import SequenceParallelNorm, attach_reducer
+from shardnorm.distributed import RegatherColwiseParallel, SequenceParallelNorm, attach_reducer
 
 MICRO_BATCHES = 2
 VARIANTS = ("torch", "shardnorm", "shardnorm_discard")
@@ -81,8 +83,9 @@ def build(variant: str, args, mesh, seed: int) -> nn.Module:
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
     model.to(device="cuda" if args.device == "cuda" else "cpu", dtype=args.dtype)
     for sub in (s for block in model for s in (block.first, block.second)):
-        consumers = {"mlp.wa": ColwiseParallel(), "mlp.wb": ColwiseParallel(),
-                     "mlp.wo": RowwiseParallel(output_layouts=Shard(1))}
+        # shardnorm's consumers of the gathered output re-gather the norm's shard in backward with keep_output=False
+        colwise = ColwiseParallel if variant == "torch" else RegatherColwiseParallel
+        consumers = {"mlp.wa": colwise(), "mlp.wb": colwise(), "mlp.wo": RowwiseParallel(output_layouts=Shard(1))}
         if variant == "torch":  # torchtitan's plan: the sublayer gathers the norm's shard once for its consumers
             plan = {"norm": SequenceParallel(),
                     "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}

@@ -8,8 +8,10 @@ tokens, which the norm's ParallelStyle makes sure are reduced exactly once.
 
 Who gathers: torch's plan gathers in the consumers' `PrepareModuleInput` (each rank saves the gathered
 input in full for backward); shardnorm's norms gather their own output (`SequenceParallelNorm(
-output_layouts=Replicate())`), the same one all-gather, so that with `model.norm_keep_output = false`
-the consumers save a recompute handle and each rank keeps only its shard (docs/distributed.md).
+output_layouts=Replicate())`), the same one all-gather, and their consumers are
+`RegatherColwiseParallel` (torch's `ColwiseParallel` while the norms keep their outputs), so that with
+`model.norm_keep_output = false` each rank keeps only the norm's shard and the consumers gather it again in their
+backward, overlapped with their dgrad GEMM (docs/distributed.md).
 """
 
 import torch
@@ -20,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from shardnorm.distributed import SequenceParallelNorm
+from shardnorm.distributed import RegatherColwiseParallel, SequenceParallelNorm
 from shardnorm.fsdp import shard_model
 from parallel.config import TrainConfig
 from parallel.model import Block, Transformer
@@ -42,10 +44,12 @@ def gathered_input(module_inputs: int, norm_gathers: bool) -> PrepareModuleInput
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, norm: str) -> None:
     gathers = norm == "shardnorm"
     norm_style = SequenceParallelNorm(output_layouts=Replicate()) if gathers else SequenceParallel()
+    # the linears reading a gathered norm output: with keep_output=False they keep the norm's shard, not its gather
+    colwise = RegatherColwiseParallel if gathers else ColwiseParallel
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": norm_style,
-        "output": ColwiseParallel(input_layouts=Replicate() if gathers else Shard(1), output_layouts=Replicate()),
+        "output": colwise(input_layouts=Replicate() if gathers else Shard(1), output_layouts=Replicate()),
     })
     if model.cfg.tie_embeddings:  # both were sharded Shard(0) on the vocab dim: tie them again
         model.output.weight = model.tok_embeddings.weight
@@ -53,14 +57,14 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, norm: str) ->
         plan = {
             "attention_norm": norm_style,
             "attention": gathered_input(3, gathers),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": norm_style,
             "feed_forward": gathered_input(1, gathers),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w3": colwise(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
         parallelize_module(block, tp_mesh, {name: style for name, style in plan.items() if style is not None})

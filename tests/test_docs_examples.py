@@ -8,6 +8,9 @@ fence changes how it runs:
   dims ("dp", "tp")) bound; `ranks=2 dp=2` makes dp = 2, tp = 1;
 - `<!-- docs-test: skip REASON -->`: not run; only where running is impossible on CPU (REASON must say why).
 
+shardnorm's warnings that a `keep_output=False` norm keeps its output after all (outside a converted model's forward,
+or a gathered output without `RegatherColwiseParallel` consumers) fail the example: the recipes must act as written.
+
 `path` (a tiny Qwen3 saved with save_pretrained, one copy the ranks share), `trainer` and token-dict
 `micro_batches` are bound only where the block needs them (`docs_prelude.lazy_names`). The examples run in a
 temporary directory holding a link to configs/.
@@ -84,6 +87,9 @@ def _namespace(root: str, code: str, seed: int) -> dict:
 def _run(code: str, name: str, names: dict) -> None:
     with warnings.catch_warnings(), docs_prelude.cuda_as_cpu():
         warnings.simplefilter("ignore")
+        # an example whose keep_output=False would not act as written (a norm outside a converted model's forward,
+        # a gathered output without RegatherColwiseParallel consumers) fails instead of keeping the outputs silently
+        warnings.filterwarnings("error", message=r"shardnorm: .* has keep_output=False", category=UserWarning)
         exec(compile(code, name, "exec"), names)
 
 

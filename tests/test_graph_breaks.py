@@ -17,10 +17,11 @@ from spawn_ranks import DEVICE, rank_device, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 import shardnorm
-from shardnorm.distributed import SequenceParallelNorm, attach_reducer, process_group_sequence_parallel
+from shardnorm.distributed import (RegatherColwiseParallel, SequenceParallelNorm, attach_reducer,
+                                   process_group_sequence_parallel)
 
 pytestmark = pytest.mark.distributed
 
@@ -29,9 +30,10 @@ TOL = 1e-5
 
 
 README_PLAN = {"layers.*.attn_norm": SequenceParallelNorm(output_layouts=Replicate()),
-               "layers.*.attn.wq": ColwiseParallel(), "layers.*.attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+               "layers.*.attn.wq": RegatherColwiseParallel(),
+               "layers.*.attn.wo": RowwiseParallel(output_layouts=Shard(1)),
                "norm": SequenceParallelNorm(output_layouts=Replicate()),
-               "out": ColwiseParallel(output_layouts=Replicate())}
+               "out": RegatherColwiseParallel(output_layouts=Replicate())}
 
 
 def _randomized(module, seed):

@@ -1,4 +1,5 @@
-"""shardnorm in torchtitan 0.3: its converter registry, its CLI config selection, its own trainer on CPU."""
+"""shardnorm in torchtitan 0.3: its converter registry, its CLI config selection, its own trainer on CPU, and the model
+its parallelize wrapper hands to `shardnorm.convert` (the scope of `keep_output=False`)."""
 
 import json
 import os
@@ -79,3 +80,35 @@ def test_torchtitan_trainer_tp2_accumulation_matches_stock(tmp_path):
     norm_params = len(_norm_configs(model_registry("debugmodel").model))
     for s, o in zip(stock["fwd_bwd_all_reduces"], ours["fwd_bwd_all_reduces"]):
         assert s - o == norm_params * micro_batches - 1, (stock, ours)
+
+
+def test_parallelize_wrapper_scopes_keep_output_false():
+    """`keep_output=False` acts in the forward of a model handed to `shardnorm.convert`; torchtitan builds its model
+    from configs, so the parallelize wrapper hands it over: the consumers save a handle, and no norm warns."""
+    import warnings
+
+    import torch
+
+    from shardnorm import output_recompute
+    from shardnorm.integrations.torchtitan import parallelize_with_shardnorm
+
+    def build(keep_output):
+        torch.manual_seed(0)
+        norm = ShardnormRMSNorm.Config(normalized_shape=16, keep_output=keep_output).build()
+        return torch.nn.Sequential(norm, torch.nn.Linear(16, 16))
+
+    def parallelize(model, *, parallel_dims):  # no parallelism: torchtitan's parallelize leaves the model as it is
+        return model
+
+    x = torch.randn(4, 16)
+    grads = {}
+    for keep in (True, False):
+        model = parallelize_with_shardnorm(parallelize)(build(keep), parallel_dims=None)
+        output_recompute.counters(reset=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="shardnorm", category=UserWarning)
+            model(x).square().sum().backward()
+        counts = output_recompute.counters()
+        assert counts["saved_as_handle"] == counts["recomputed"] == (0 if keep else 1), (keep, counts)
+        grads[keep] = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))

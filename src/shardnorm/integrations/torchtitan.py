@@ -4,7 +4,8 @@
   `ShardnormRMSNorm.Config`, which runs shardnorm's kernel and, where torchtitan's TP plan declares a
   sequence-parallel norm, is parallelized with `shardnorm.distributed.SequenceParallelNorm`.
 - `parallelize_with_shardnorm(fn)`: the model's parallelize function, then the norm-grad reducer on the
-  FSDP2-wrapped model (`shardnorm.fsdp.install_norm_grad_reducer`).
+  FSDP2-wrapped model (`shardnorm.fsdp.install_norm_grad_reducer`); where some norm has `keep_output=False`, the
+  model is handed to `shardnorm.convert`, whose forward is then the scope in which the option acts.
 - `ShardnormTrainer`: torchtitan's `Trainer`, whose non-final micro-batches run inside `shardnorm.accumulate`.
 
 `with_shardnorm(config)` applies all three to a `Trainer.Config` (docs/integrations/torchtitan.md).
@@ -85,7 +86,9 @@ class ShardnormRMSNorm(shardnorm.RMSNorm, Module):
             raise ValueError(f"{type(self).__name__} has already been parallelized")
         self._parallelized = True
         # An output the plan redistributes to one placement (the final norm all-gathers for lm_head) is
-        # redistributed by the style itself: with keep_output=False its consumers then save a recompute handle.
+        # redistributed by the style itself. keep_output=False frees that gathered output only for consumers
+        # parallelized with RegatherColwiseParallel, which takes torch's nn.Linear; torchtitan's lm_head is its own
+        # Linear, parallelized from its ShardingConfig, so it keeps the gathered input (shardnorm warns once).
         out = resolve_placements(plan.out_dst_shardings, tp_mesh) if plan.out_dst_shardings is not None else None
         output_layouts = out[0] if out is not None and len(out) == 1 else None
         parallelize_module(self, tp_mesh, SequenceParallelNorm(sequence_dim=1, output_layouts=output_layouts))
@@ -137,6 +140,8 @@ def parallelize_with_shardnorm(parallelize_fn, *, bucket_cap_mb: float = DEFAULT
         sequence_parallel = sum(sp for *_, sp in norms)
         if sequence_parallel:
             install_norm_grad_reducer(model, norms, parallel_dims.get_mesh("tp"), bucket_cap_mb=bucket_cap_mb)
+        if any(not m.keep_output for _, m, _ in norms):  # keep_output=False acts in the forward of a converted model
+            model = shardnorm.convert(model, classes=(), warn=False).model
         _log.info("shardnorm: %d ShardnormRMSNorm module(s) in the model, %d sequence-parallel%s", len(norms),
                   sequence_parallel, " (their grads reduced over tp by shardnorm's reducer, in fp32, once per step)"
                   if sequence_parallel else "")
