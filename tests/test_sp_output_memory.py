@@ -261,7 +261,7 @@ def _regather_edges(rank, world_size):
 
     # 9 tokens on 2 ranks: uneven shards, where torch's own linear reads DTensor's gathered output (torch 2.11 on
     # NCCL gathers them into a non-contiguous tensor that F.linear refuses to view)
-    probe = distribute_tensor(torch.randn(1, 3, 4), mesh, [Shard(1)]).redistribute(placements=[Replicate()])
+    probe = distribute_tensor(torch.randn(BATCH, SEQ + 1, H), mesh, [Shard(1)]).redistribute(placements=[Replicate()])
     seq = SEQ + 1 if probe.to_local().is_contiguous() else SEQ
     for a, b in zip(grads(True, seq=seq), grads(False, seq=seq)):
         assert torch.equal(a, b)

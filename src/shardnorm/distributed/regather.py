@@ -42,10 +42,10 @@ class GatheredOutput:
     def __init__(self, remake: Callable[[], Tensor], y: DTensor, usage: list):
         self.remake = remake  # () -> the norm's local output rows, bitwise the forward's (`output_recompute._Remake`)
         mesh = y.device_mesh
-        self.group, self.world, self.dim = usage[2], mesh.size(), y.placements[0].dim
+        self.group, self.world, self.dim = usage[2], usage[3], y.placements[0].dim
         self.local_shape = _torch_compat.dtensor_local(y).shape
         self.spec = (mesh, y.placements, y.shape, y.stride())
-        self.usage = usage  # the norm's [gathers, gathers some consumer took, group]: `_warn_if_unused`
+        self.usage = usage  # the norm's [gathers, gathers some consumer took, group, size]: `_warn_if_unused`
         self.consumers = self.unread = 0
         self.work = self.buffer = self.value = self.fingerprint = None
 
@@ -199,8 +199,9 @@ def attach(norm: nn.Module, out: Tensor, y: DTensor) -> None:
     if remake is None or not isinstance(out, DTensor) or y.device_mesh.ndim != 1 or not out.requires_grad:
         return
     usage = norm.__dict__.get("_shardnorm_gather_usage")
-    if usage is None:  # [gathers, gathers a consumer took, the mesh's group]
-        usage = norm.__dict__["_shardnorm_gather_usage"] = [0, 0, y.device_mesh.get_group(0)]
+    if usage is None:  # [gathers, gathers a consumer took, the mesh's group and size] (DeviceMesh.size: ~30 us)
+        mesh = y.device_mesh
+        usage = norm.__dict__["_shardnorm_gather_usage"] = [0, 0, mesh.get_group(0), mesh.size()]
     usage[0] += 1
     gathered = GatheredOutput(remake, y, usage)
     setattr(out, _ATTR, gathered)
