@@ -263,6 +263,7 @@ def _dtensor_spec_and_wrap(rank, world_size):
             and wrapped.device_mesh == mesh and not wrapped.requires_grad, _gone(
                 f"DTensorSpec / TensorMeta / DTensor(local, spec) ({wrapped.placements}, {wrapped.shape})")
         assert compat.dtensor_local(wrapped) is local, _gone("DTensor._local_tensor")
+        assert compat.dtensor_spec_of(wrapped) is spec, _gone("DTensor._spec")
         with torch.no_grad():
             assert expected.to_local() is compat.dtensor_local(expected), _gone("DTensor._local_tensor")
 

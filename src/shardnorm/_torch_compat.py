@@ -33,8 +33,8 @@ autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls a
 Inductor's analysis of what a Triton kernel launched through `torch.library.wrap_triton` writes
   (`torch._higher_order_ops.triton_kernel_wrap.identify_mutated_tensors` on torch 2.11, `identify_accessed_tensors`
   on 2.13): the test that holds the traced ops' kernels to writing their outputs only (tests/test_traced_kernels.py).
-DTensor: `DTensorSpec` / `TensorMeta`, the `DTensor(local, spec, requires_grad=)` constructor and
-  `DTensor._local_tensor` (the local tensor without `to_local`'s autograd node): the eager
+DTensor: `DTensorSpec` / `TensorMeta`, the `DTensor(local, spec, requires_grad=)` constructor, `DTensor._spec`
+  and `DTensor._local_tensor` (the local tensor without `to_local`'s autograd node): the eager
   sequence-parallel norm wraps its local results with a cached spec (`DTensor.from_local` builds and validates a
   new spec per call: ~15 us of host time per output on a CPU).
 
@@ -313,6 +313,11 @@ def dtensor_with_spec(local: torch.Tensor, spec):
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, spec, requires_grad=False)
+
+
+def dtensor_spec_of(t):
+    """A DTensor's spec as it is (what `dtensor_with_spec` takes to make another DTensor laid out like it)."""
+    return t._spec
 
 
 def dtensor_local(t):

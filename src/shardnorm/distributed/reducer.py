@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from shardnorm._torch_compat import current_graph_task_id, queue_backward_callback
-from shardnorm.rows import dtensor_like
+from shardnorm._torch_compat import (current_graph_task_id, dtensor_local, dtensor_spec_of, dtensor_with_spec,
+                                     queue_backward_callback)
 from shardnorm.distributed.grad_sources import GradSource, NormBackward, local_tensor
 
 ReduceMode = Literal["bucketed", "per_layer"]
@@ -394,9 +394,10 @@ register_optimizer_step_pre_hook(_refuse_pending_step)
 
 
 def _as_grad(param, values: torch.Tensor) -> torch.Tensor:
-    """`values` (this rank's part of `param`, any shape of its numel) shaped and placed as `param`'s grad."""
+    """`values` (this rank's part of `param` in its dtype, any shape of its numel) shaped and placed as `param`'s
+    grad: a DTensor with the param's own spec (`DTensor.from_local` builds and checks a new one: ~6x the host time)."""
     if isinstance(param, DTensor):
-        return dtensor_like(values.view(param.to_local().shape), param)
+        return dtensor_with_spec(values.view(dtensor_local(param).shape), dtensor_spec_of(param))
     return values.view(param.shape)
 
 
@@ -412,8 +413,10 @@ def _add_into(slots: list[_Slot], flat: torch.Tensor) -> None:
 
 def _accumulate_grad(param, data: torch.Tensor) -> None:
     """Add the reduced fp32 sum to param.grad in the param's dtype and placement."""
-    grad = _as_grad(param, data.to(param.dtype, copy=True))
     if param.grad is None:
-        param.grad = grad
+        param.grad = _as_grad(param, data.to(param.dtype, copy=True))
+    elif not isinstance(param.grad, DTensor) or param.grad.placements == param.placements:  # this rank's part
+        local = local_tensor(param.grad)
+        local.add_(data.to(param.dtype).view(local.shape))  # (DTensor's add_: ~40x the host time of this)
     else:
-        param.grad.add_(grad)
+        param.grad.add_(_as_grad(param, data.to(param.dtype, copy=True)))
