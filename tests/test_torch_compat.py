@@ -268,9 +268,9 @@ def _dtensor_spec_and_wrap(rank, world_size):
             assert expected.to_local() is compat.dtensor_local(expected), _gone("DTensor._local_tensor")
 
 
-        gathered = local.new_empty((world_size * 2, 3, 4))
-        compat.all_gather_single(gathered, local, mesh.get_group(), async_op=True).wait()
-        assert torch.equal(gathered[2 * rank:2 * rank + 2], local)
+        gathered = compat.collective_result(compat.all_gather_start(local, mesh.get_group()))
+        assert gathered.shape == (world_size * 2, 3, 4) and torch.equal(gathered[2 * rank:2 * rank + 2], local), \
+            _gone("torch.ops._c10d_functional.all_gather_into_tensor / wait_tensor")
 
 
 @pytest.mark.distributed
@@ -335,3 +335,22 @@ def test_triton_kernel_writes_names_what_inductor_copies():
     assert run.returncode == 0, run.stderr[-3000:]
     writes = json.loads(run.stdout.splitlines()[-1])
     assert writes == ["Y"], _gone(f"triton_kernel_wrap.identify_mutated_tensors / identify_accessed_tensors ({writes})")
+
+
+def test_triton_op_lists_its_kernels_without_importing_inductor():
+    """`triton_op` registers through torch.library.triton_op with the kernel list given (the source scan it replaces
+    is `torch._library.triton.get_inner_triton_kernels`), and `import shardnorm` imports neither Inductor nor
+    Triton."""
+    import subprocess
+    import sys
+
+    from torch._library import triton as library_triton
+
+    assert callable(getattr(library_triton, "get_inner_triton_kernels", None)), \
+        _gone("torch._library.triton.get_inner_triton_kernels")
+    code = ("import sys, shardnorm, torch; assert 'torch._inductor' not in sys.modules and 'triton' not in sys.modules;"
+            "from torch._library.triton import get_triton_kernels_for_op as k;"
+            "print(len(k('shardnorm::norm_fwd')), len(k('shardnorm::norm_bwd')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "4"], out.stdout

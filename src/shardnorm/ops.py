@@ -147,11 +147,10 @@ def _norm_bwd_launch_fake(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_c
 # `norm_bwd_launch`), so compiled and eager calls still run the same kernels: the staged long-row kernels (Hopper:
 # Gluon, a cooperative grid with a persistent exchange buffer, and a choice per call by the tensors' alignment) and
 # the interpreted kernels of a CPU call with SHARDNORM_BACKEND=triton. The torch backend (CPU tensors by default)
-# is traced as the aten ops of `reference`. Registering them imports Triton, Inductor and Dynamo (triton_op reads
-# its functions' source for kernels, through Inductor's helpers): `import shardnorm` takes 1.0 s instead of 0.02 on
-# a CPU-only machine (torch 2.13).
+# is traced as the aten ops of `reference`. Their kernels are listed for AOTAutograd's cache key, and imported only
+# when a compile reads them (`_torch_compat.triton_op`; registered by `torch.library.triton_op` itself, reading
+# the bodies' source imports Inductor: `import shardnorm` took 1.0 s instead of 0.02 on a CPU-only machine).
 
-@torch.library.triton_op("shardnorm::norm_fwd", mutates_args=())
 def _norm_fwd_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
                  rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_devices("norm_fwd", "x", x, weight=weight, bias=bias, residual=residual)
@@ -164,7 +163,6 @@ def _norm_fwd_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], re
     return _present(_forward(x, weight, bias, residual, eps, rms, zero_centered), x)
 
 
-@torch.library.triton_op("shardnorm::norm_bwd", mutates_args=())
 def _norm_bwd_op(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
                  rstd: Tensor, has_bias: bool, rms: bool, zero_centered: bool) -> tuple[Tensor, Tensor, Tensor]:
     _check_devices("norm_bwd", "src", src, dy=dy, dz=dz, weight=weight, mean=mean, rstd=rstd)
@@ -178,6 +176,10 @@ def _norm_bwd_op(dy: Tensor, dz: Optional[Tensor], src: Tensor, weight: Optional
             return _norm_bwd_launch(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
         return _present(out, rstd)
     return _present(_backward_kernels(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered), rstd)
+
+
+_norm_fwd_op = _torch_compat.triton_op("shardnorm::norm_fwd", _norm_fwd_op, lambda: _kernels().TRACED_FWD_KERNELS)
+_norm_bwd_op = _torch_compat.triton_op("shardnorm::norm_bwd", _norm_bwd_op, lambda: _kernels().TRACED_BWD_KERNELS)
 
 
 def _no_autograd(op: str):
