@@ -283,3 +283,46 @@ def test_regather_edges():
     from spawn_ranks import spawn
 
     spawn(_regather_edges, 2)
+
+
+def _sharded_output(rank, world_size):
+    """A SequenceParallelNorm whose output stays sharded (its consumers gather it themselves, torchtitan's plan):
+    keep_output=False can save nothing there, so the model's scope pushes no saved-tensors hooks for it and the norm
+    says so once; the grads are the option off's."""
+    from spawn_ranks import DEVICE, rank_device
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
+
+    from shardnorm import _torch_compat
+    from shardnorm.distributed import SequenceParallelNorm
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+
+    def grads(keep):
+        torch.manual_seed(4)
+        consumer = torch.nn.Sequential(torch.nn.Linear(H, H))
+        model = torch.nn.Sequential(shardnorm.RMSNorm(H, keep_output=keep), consumer).to(rank_device(rank))
+        parallelize_module(model, mesh, {"0": SequenceParallelNorm(), "1.0": ColwiseParallel(),
+                                         "1": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                 desired_input_layouts=(Replicate(),))})
+        if not keep:
+            shardnorm.convert(model, keep_output=False, warn=False)
+        hooks = []
+        consumer[0].register_forward_pre_hook(lambda m, a: hooks.append(_torch_compat.saved_tensors_hooks_top()))
+        x = distribute_tensor(torch.randn(BATCH, SEQ, H, generator=torch.Generator().manual_seed(5)), mesh,
+                              [Shard(1)]).requires_grad_()
+        model(x).square().sum().backward()
+        assert hooks == [None]
+        return [x.grad.to_local()] + [p.grad.to_local() for p in model.parameters()]
+
+    kept = grads(True)
+    with pytest.warns(UserWarning, match="stays sequence-sharded"):
+        discarded = grads(False)
+    assert all(torch.equal(a, b) for a, b in zip(kept, discarded))
+
+
+def test_sharded_output_pushes_no_hooks_and_warns():
+    from spawn_ranks import spawn
+
+    spawn(_sharded_output, 2)

@@ -10,6 +10,7 @@ Their reduction belongs to the model's reducer (`shardnorm.distributed.attach_re
 grads or Megatron's `finalize_model_grads`: exactly one of them.
 """
 
+import warnings
 from functools import partial
 
 import torch
@@ -56,7 +57,10 @@ class SequenceParallelNorm(ParallelStyle):
             raise ValueError(f"shardnorm: SequenceParallelNorm needs a 1-D (tensor-parallel) mesh, got "
                              f"{device_mesh.ndim}-D {device_mesh}; pass mesh['tp'] to parallelize_module")
         self._prepare_params(module, device_mesh)
-        if self.output_layouts == (Replicate(),):  # its consumers own the saving of keep_output=False
+        # keep_output=False without saved-tensor hooks: a gathered output's consumers own its saving
+        # (RegatherColwiseParallel); a sharded DTensor output's consumers gather it themselves and save what they
+        # gathered, which no hook could recompute (warned at the forward)
+        if self.output_layouts == (Replicate(),) or not self.use_local_output:
             module.__dict__[output_recompute.GATHERS_ATTR] = True
         module.register_forward_pre_hook(partial(self._shard_inputs, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._prepare_outputs)
@@ -90,11 +94,15 @@ class SequenceParallelNorm(ParallelStyle):
     def _prepare_outputs(self, module, args, outputs):
         if isinstance(outputs, tuple):  # (y, z): the residual stream z stays sharded
             return (self._prepare_output(module, outputs[0], self.output_layouts),
-                    self._prepare_output(module, outputs[1], self.sequence_sharding))
+                    self._prepare_output(module, outputs[1], self.sequence_sharding, normalized=False))
         return self._prepare_output(module, outputs, self.output_layouts)
 
-    def _prepare_output(self, module, y: DTensor, placements: tuple):
+    def _prepare_output(self, module, y: DTensor, placements: tuple, normalized: bool = True):
+        """y (or, `normalized` False, the residual stream z) as the plan's next module takes it."""
         if tuple(y.placements) == placements and not self.use_local_output:
+            if normalized and not getattr(module, "keep_output", True) and y.requires_grad \
+                    and not torch.compiler.is_compiling():
+                _warn_consumers_gather(module)
             return y
 
         def transform(t: DTensor):
@@ -110,13 +118,25 @@ class SequenceParallelNorm(ParallelStyle):
         out = transform(y)
         if placements == (Replicate(),):  # its RegatherColwiseParallel consumers keep the norm's shard instead
             regather.attach(module, out, y)
-        else:  # no gather (`use_local_output`): inside a convert scope, saves of out take y's recompute handle
+        elif self.use_local_output:  # inside a convert scope, saves of the local output take y's recompute handle
             output_recompute.derive(out, y, transform)
         return out
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "
                 f"output_layouts={self.output_layouts[0]}, use_local_output={self.use_local_output})")
+
+
+def _warn_consumers_gather(module: nn.Module) -> None:
+    """Once per norm: keep_output=False saves nothing where the norm's output stays sharded and its consumers
+    gather it (torch's `PrepareModuleInput`): they save the gathered tensor, which is theirs."""
+    if module.__dict__.get("_shardnorm_warned_sharded_output"):
+        return
+    module.__dict__["_shardnorm_warned_sharded_output"] = True
+    warnings.warn(f"shardnorm: {type(module).__name__} has keep_output=False, but its SequenceParallelNorm output stays "
+                  "sequence-sharded and its consumers gather it themselves, so they keep the gathered tensor and the "
+                  "option saves nothing here: use SequenceParallelNorm(output_layouts=Replicate()) with "
+                  "RegatherColwiseParallel consumers, or keep_output=True", stacklevel=2)
 
 
 class _ProcessGroupSequenceParallelNorm(SequenceParallelNorm):

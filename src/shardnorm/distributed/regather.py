@@ -37,7 +37,7 @@ class GatheredOutput:
     consumers share."""
 
     __slots__ = ("remake", "group", "world", "dim", "local_shape", "spec", "usage", "consumers", "unread", "work",
-                 "buffer", "value", "fingerprint")
+                 "value", "fingerprint")
 
     def __init__(self, remake: Callable[[], Tensor], y: DTensor, usage: list):
         self.remake = remake  # () -> the norm's local output rows, bitwise the forward's (`output_recompute._Remake`)
@@ -47,7 +47,7 @@ class GatheredOutput:
         self.spec = (mesh, y.placements, y.shape, y.stride())
         self.usage = usage  # the norm's [gathers, gathers some consumer took, group, size]: `_warn_if_unused`
         self.consumers = self.unread = 0
-        self.work = self.buffer = self.value = self.fingerprint = None
+        self.work = self.value = self.fingerprint = None
 
     def taken(self) -> None:
         """A consumer's forward saved this instead of the gathered tensor."""
@@ -66,19 +66,18 @@ class GatheredOutput:
             output_recompute.count("recomputed")
             self.unread = self.consumers
             if self.local_shape[self.dim] * self.world == self.spec[2][self.dim]:  # even shards: one async gather
-                self.buffer = local.new_empty((self.world * self.local_shape[0], *self.local_shape[1:]))
-                self.work = _torch_compat.all_gather_single(self.buffer, local, self.group, async_op=True)
+                self.work = _torch_compat.all_gather_start(local.contiguous(), self.group)
             else:  # uneven shards: DTensor's own padded gather, as the forward's
                 self.value = as_dtensor(local, *self.spec).redistribute(placements=(Replicate(),)).to_local()
 
     def take(self, seen: Tensor) -> Tensor:
         """The gathered output again; `seen`: the fp32 sum of what this consumer's forward read."""
         if self.value is None:
-            self.work.wait()
+            gathered = _torch_compat.collective_result(self.work)
             shape = list(self.local_shape)
             shape[self.dim] *= self.world
-            self.value = self.buffer.view(self.world, *self.local_shape).movedim(0, self.dim).reshape(shape)
-            self.work = self.buffer = None
+            self.value = gathered.view(self.world, *self.local_shape).movedim(0, self.dim).reshape(shape)
+            self.work = None
         value = self.value
         if self.fingerprint is None:
             self.fingerprint = _fingerprint(value)
@@ -210,12 +209,13 @@ def attach(norm: nn.Module, out: Tensor, y: DTensor) -> None:
 
 
 def _warn_if_unused(norm: nn.Module, gathered: GatheredOutput) -> None:
-    """Once per norm, when the gathered output's grad is complete (every consumer's backward ran): no consumer took
-    it, so its consumers kept the gathered output."""
+    """Once per norm, when the gathered output's grad is complete (every consumer's backward ran): no
+    `RegatherLinear` consumer took it."""
     if gathered.consumers or norm.__dict__.get("_shardnorm_warned_unused"):
         return
     norm.__dict__["_shardnorm_warned_unused"] = True
     warnings.warn(f"shardnorm: {type(norm).__name__} has keep_output=False and gathers its output "
                   "(SequenceParallelNorm(output_layouts=Replicate())), but no consumer parallelized with "
-                  "shardnorm.distributed.RegatherColwiseParallel read it, so its consumers kept the gathered "
-                  "output: use RegatherColwiseParallel for the linears that read it")
+                  "shardnorm.distributed.RegatherColwiseParallel read it: a consumer that saves it for its "
+                  "backward keeps the whole gathered output. Use RegatherColwiseParallel for the linears that read "
+                  "it")
