@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from shardnorm import _torch_compat, ops, output_recompute
+from shardnorm import _torch_compat, output_recompute
 from shardnorm.rows import as_dtensor
 
 _ATTR = "_shardnorm_gathered"  # on the norm's gathered output DTensor: its GatheredOutput
@@ -164,8 +164,7 @@ class RegatherLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         gathered = None if torch.compiler.is_compiling() else getattr(x, _ATTR, None)
-        if gathered is None or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) \
-                or ops._dispatch_modes_active():
+        if gathered is None or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
         specs = self.__dict__.get("_shardnorm_specs")
         if specs is None:
