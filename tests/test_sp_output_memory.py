@@ -226,7 +226,8 @@ def test_dtensor_input_changed_in_place_raises_naming_it():
 
 def _regather_edges(rank, world_size):
     """The consumers' re-gather at its edges: uneven sequence shards (DTensor's padded gather, bitwise the option
-    off), no saved-tensors hook during the forward, the gathered output written behind autograd before its consumer
+    off), no saved-tensors hook during the forward, a retained graph's second backward and a checkpointed model (the
+    option off's grads), the gathered output written behind autograd before its consumer
     read it (an error, not wrong grads), and torch's own ColwiseParallel as the consumer (a warning that nothing is
     saved, and the option off's grads)."""
     from spawn_ranks import DEVICE, rank_device
@@ -265,6 +266,22 @@ def _regather_edges(rank, world_size):
     seq = SEQ + 1 if probe.to_local().is_contiguous() else SEQ
     for a, b in zip(grads(True, seq=seq), grads(False, seq=seq)):
         assert torch.equal(a, b)
+
+    def twice(keep):  # a second backward over the retained graph re-gathers again: twice the one backward's grads
+        model, x = build(keep, seq=SEQ)
+        loss = model(x).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [x.grad.to_local()] + [p.grad.to_local() for p in model.parameters()]
+
+    def checkpointed(keep):  # under a non-reentrant checkpoint the consumers' nodes keep their forward's handle
+        model, x = build(keep, seq=SEQ)
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).square().sum().backward()
+        return [x.grad.to_local()] + [p.grad.to_local() for p in model.parameters()]
+
+    for run in (twice, checkpointed):
+        for a, b in zip(run(True), run(False)):
+            assert torch.equal(a, b), run.__name__
 
     model, x = build(False)
     def write_behind_autograd(module, args, out):
