@@ -24,9 +24,8 @@ from shardnorm import _torch_compat, ops
 from shardnorm.distributed.grad_sources import grad_sink
 from shardnorm.distributed.hidden_sharded import HiddenShardedNorm
 from shardnorm.distributed.layout import NormLayout, global_normalized_numel, norm_layout
-from shardnorm.rows import as_dtensor, as_param, as_rows, dtensor_like
+from shardnorm.rows import as_dtensor, as_param, as_rows, cached_spec, dtensor_like
 
-_SPECS_PER_LAYOUT = 64  # (shape, stride, dtype) variants kept per layout: sequence lengths, output dtypes
 
 
 def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero_centered: bool,
@@ -108,14 +107,10 @@ _hidden_sharded_untraced = torch.compiler.disable(_hidden_sharded)
 
 
 def _spec(layout: NormLayout, placements: tuple, shape, stride: tuple, dtype: torch.dtype):
-    """The DTensorSpec `DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)` builds, cached."""
-    key = (placements is layout.grad_placements, shape, stride, dtype)
-    spec = layout.specs.get(key)
-    if spec is None:
-        if len(layout.specs) >= _SPECS_PER_LAYOUT:
-            layout.specs.clear()
-        spec = layout.specs[key] = _torch_compat.dtensor_spec(layout.mesh, placements, shape, stride, dtype)
-    return spec
+    """The DTensorSpec `DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)` builds, cached (the
+    placements are x's or the grads' of this layout)."""
+    return cached_spec(layout.specs, placements is layout.grad_placements, layout.mesh, placements, shape, stride,
+                       dtype)
 
 
 class TokenShards:

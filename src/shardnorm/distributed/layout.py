@@ -25,7 +25,7 @@ class NormLayout:
     hidden_mesh_dim: int | None  # statistics are all-reduced over this mesh dim
     param_placements: tuple[Placement, ...]  # what weight/bias must be on the mesh
     grad_placements: tuple[Placement, ...]  # their grads' placements: Partial over the token mesh dims
-    # DTensorSpecs of the inputs' and grads' layouts by (kind, shape, stride, dtype): `dtensor._spec`
+    # DTensorSpecs of the inputs' and grads' layouts (`rows.cached_spec`, from `dtensor.TokenShards`)
     specs: dict = field(default_factory=dict, compare=False, repr=False)
 
 

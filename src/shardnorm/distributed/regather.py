@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from shardnorm import _torch_compat, output_recompute
-from shardnorm.rows import as_dtensor
+from shardnorm.rows import as_dtensor, cached_spec
 
 _ATTR = "_shardnorm_gathered"  # on the norm's gathered output DTensor: its GatheredOutput
 
@@ -95,12 +95,13 @@ def _fingerprint(t: Tensor) -> Tensor:
 class _RegatherLinear(torch.autograd.Function):
     """F.linear of the gathered output `x` (a `Replicate` DTensor) and this rank's column shard (`weight`, `bias`:
     `Shard(0)` DTensors) on their local tensors, saving the weight and the `GatheredOutput` instead of x; takes and
-    returns DTensors with cached specs (`_Specs`: no `to_local` / `from_local` nodes). The backward computes what
-    autograd's own linear backward computes, with the same ops in the same layouts (bitwise the grads of torch's
-    linear): dx = dy @ w (a `Partial` sum over the tensor-parallel ranks), dw = dy^T @ x, db = sum(dy)."""
+    returns DTensors with specs cached per module (`rows.cached_spec`: no `to_local` / `from_local` nodes). The
+    backward computes what autograd's own linear backward computes, with the same ops in the same layouts (bitwise the
+    grads of torch's linear): dx = dy @ w (a `Partial` sum over the tensor-parallel ranks), dw = dy^T @ x,
+    db = sum(dy)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gathered: GatheredOutput, specs: "_Specs"):
+    def forward(ctx, x, weight, bias, gathered: GatheredOutput, specs: dict):
         local = _torch_compat.dtensor_local
         x_local, w = local(x), local(weight)
         gathered.taken()
@@ -109,8 +110,9 @@ class _RegatherLinear(torch.autograd.Function):
         ctx.seen = _fingerprint(x_local)
         ctx.save_for_backward(w)
         y = F.linear(x_local, w, local(bias) if bias is not None else None)
-        return _torch_compat.dtensor_with_spec(y, specs.get(weight.device_mesh, (Shard(y.dim() - 1),),
-                                                            (*x.shape[:-1], weight.shape[0]), y.stride(), y.dtype))
+        spec = cached_spec(specs, "y", weight.device_mesh, (Shard(y.dim() - 1),), (*x.shape[:-1], weight.shape[0]),
+                           y.stride(), y.dtype)
+        return _torch_compat.dtensor_with_spec(y, spec)
 
     @staticmethod
     def backward(ctx, dy):
@@ -126,36 +128,18 @@ class _RegatherLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             shape, stride, dtype, local_shape = ctx.x_meta
             dx = _torch_compat.dtensor_with_spec(dy2.mm(w).view(local_shape),
-                                                 specs.get(mesh, (Partial(),), shape, stride, dtype))
+                                                 cached_spec(specs, "dx", mesh, (Partial(),), shape, stride, dtype))
         x = gathered.take(ctx.seen)
         (w_shape, w_stride), b_meta = ctx.param_meta
         dw = db = None
         if ctx.needs_input_grad[1]:
             dw = dy2.t().mm(x.reshape(-1, x.shape[-1]))
-            dw = _torch_compat.dtensor_with_spec(dw, specs.get(mesh, (Shard(0),), w_shape, w_stride, dw.dtype))
+            dw = _torch_compat.dtensor_with_spec(dw, cached_spec(specs, "dw", mesh, (Shard(0),), w_shape, w_stride,
+                                                                 dw.dtype))
         if ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-            db = _torch_compat.dtensor_with_spec(db, specs.get(mesh, (Shard(0),), *b_meta, db.dtype))
+            db = _torch_compat.dtensor_with_spec(db, cached_spec(specs, "db", mesh, (Shard(0),), *b_meta, db.dtype))
         return dx, dw, db, None, None
-
-
-class _Specs:
-    """A consumer's DTensorSpecs by (placements, shape, stride, dtype): built once, not per call."""
-
-    __slots__ = ("specs",)
-    LIMIT = 64  # sequence lengths and dtypes a module sees
-
-    def __init__(self):
-        self.specs = {}
-
-    def get(self, mesh, placements: tuple, shape, stride, dtype):
-        key = (placements, tuple(shape), tuple(stride), dtype)
-        spec = self.specs.get(key)
-        if spec is None:
-            if len(self.specs) >= self.LIMIT:
-                self.specs.clear()
-            spec = self.specs[key] = _torch_compat.dtensor_spec(mesh, placements, shape, stride, dtype)
-        return spec
 
 
 class RegatherLinear(nn.Linear):
@@ -168,7 +152,7 @@ class RegatherLinear(nn.Linear):
             return super().forward(x)
         specs = self.__dict__.get("_shardnorm_specs")
         if specs is None:
-            specs = self.__dict__["_shardnorm_specs"] = _Specs()
+            specs = self.__dict__["_shardnorm_specs"] = {}
         return _RegatherLinear.apply(x, self.weight, self.bias, gathered, specs)
 
 
