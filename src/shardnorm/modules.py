@@ -38,7 +38,7 @@ class _FusedNorm:
 
     @keep_output.setter
     def keep_output(self, keep: bool) -> None:
-        output_recompute.set_keep_output(self, keep)
+        output_recompute.check_keep_output(keep)
         self._keep_output = keep
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):

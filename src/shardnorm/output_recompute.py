@@ -79,8 +79,8 @@ def _recompute_norm_contexts():
 
 # ---- where the option acts: models handed to `convert(model, keep_output=False)` -----------------------------
 
-def set_keep_output(module: torch.nn.Module, keep: bool) -> None:
-    """Check a norm's option (the module stores it)."""
+def check_keep_output(keep: bool) -> None:
+    """A norm's option as its setter takes it (the module stores it)."""
     if not isinstance(keep, bool):
         raise TypeError(f"keep_output must be a bool, got {type(keep).__name__}")
 
@@ -97,15 +97,17 @@ class _ModelScope:
         self.norms, self.handles = norms, []
 
     def needs_hooks(self) -> bool:
-        """Some norm of the model discards its output and its consumers do not own the saving (a sequence-parallel
-        norm that gathers its output has consumers that do: `distributed/regather.py`)."""
+        """Some norm of the model discards its output and no sequence-parallel style owns what its consumers save
+        (`SP_OUTPUT_ATTR`)."""
         for norm in self.norms:
-            if not norm.keep_output and not norm.__dict__.get(GATHERS_ATTR, False):
+            if not norm.keep_output and not norm.__dict__.get(SP_OUTPUT_ATTR, False):
                 return True
         return False
 
 
-GATHERS_ATTR = "_shardnorm_gathers_output"  # set by SequenceParallelNorm on norms whose output it all-gathers
+# Set by SequenceParallelNorm on a norm whose consumers' saves of its output no hook would take: its gathered output's
+# consumers own the saving (`distributed/regather.py`), or its sharded output's consumers gather it themselves.
+SP_OUTPUT_ATTR = "_shardnorm_sp_output"
 
 
 def scope(model: torch.nn.Module, norms) -> None:
@@ -347,11 +349,11 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
     if not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
     if _scope.hooks is None:
-        gathers = owner is not None and owner.__dict__.get(GATHERS_ATTR, False)
+        sequence_parallel = owner is not None and owner.__dict__.get(SP_OUTPUT_ATTR, False)
         # (a reentrant checkpoint's recompute runs inside the backward, outside any forward: nothing to warn of)
-        if not gathers and _scope.depth == 0 and _torch_compat.current_graph_task_id() == -1:
+        if not sequence_parallel and _scope.depth == 0 and _torch_compat.current_graph_task_id() == -1:
             _warn_unscoped(owner)
-        if not (gathers and _torch_compat.is_dtensor(y)):  # no consumer would take a handle
+        if not (sequence_parallel and _torch_compat.is_dtensor(y)):  # nothing would take a handle
             return
     versioned = src  # what an in-place write bumps: a DTensor's own counter, not its local tensor's
     if _torch_compat.is_dtensor(y):

@@ -61,7 +61,7 @@ class SequenceParallelNorm(ParallelStyle):
         # (RegatherColwiseParallel); a sharded DTensor output's consumers gather it themselves and save what they
         # gathered, which no hook could recompute (warned at the forward)
         if self.output_layouts == (Replicate(),) or not self.use_local_output:
-            module.__dict__[output_recompute.GATHERS_ATTR] = True
+            module.__dict__[output_recompute.SP_OUTPUT_ATTR] = True
         module.register_forward_pre_hook(partial(self._shard_inputs, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._prepare_outputs)
         return module
@@ -133,9 +133,9 @@ def _warn_consumers_gather(module: nn.Module) -> None:
     if module.__dict__.get("_shardnorm_warned_sharded_output"):
         return
     module.__dict__["_shardnorm_warned_sharded_output"] = True
-    warnings.warn(f"shardnorm: {type(module).__name__} has keep_output=False, but its SequenceParallelNorm output stays "
-                  "sequence-sharded and its consumers gather it themselves, so they keep the gathered tensor and the "
-                  "option saves nothing here: use SequenceParallelNorm(output_layouts=Replicate()) with "
+    warnings.warn(f"shardnorm: {type(module).__name__} has keep_output=False, but its SequenceParallelNorm output "
+                  "stays sequence-sharded and its consumers gather it themselves, so they keep the gathered tensor and "
+                  "the option saves nothing here: use SequenceParallelNorm(output_layouts=Replicate()) with "
                   "RegatherColwiseParallel consumers, or keep_output=True", stacklevel=2)
 
 

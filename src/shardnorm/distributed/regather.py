@@ -36,23 +36,20 @@ class GatheredOutput:
     """One forward's gathered norm output as its consumers keep it: how to make it again, and the copy one backward's
     consumers share."""
 
-    __slots__ = ("remake", "group", "world", "dim", "local_shape", "spec", "usage", "consumers", "unread", "work",
-                 "value", "fingerprint")
+    __slots__ = ("remake", "norm", "dim", "local_shape", "spec", "consumers", "unread", "work", "value",
+                 "fingerprint")
 
-    def __init__(self, remake: Callable[[], Tensor], y: DTensor, usage: list):
+    def __init__(self, remake: Callable[[], Tensor], y: DTensor, norm: "_NormGathers"):
         self.remake = remake  # () -> the norm's local output rows, bitwise the forward's (`output_recompute._Remake`)
-        mesh = y.device_mesh
-        self.group, self.world, self.dim = usage[2], usage[3], y.placements[0].dim
+        self.norm, self.dim = norm, y.placements[0].dim
         self.local_shape = _torch_compat.dtensor_local(y).shape
-        self.spec = (mesh, y.placements, y.shape, y.stride())
-        self.usage = usage  # the norm's [gathers, gathers some consumer took, group, size]: `_warn_if_unused`
+        self.spec = (y.device_mesh, y.placements, y.shape, y.stride())
         self.consumers = self.unread = 0
         self.work = self.value = self.fingerprint = None
 
     def taken(self) -> None:
         """A consumer's forward saved this instead of the gathered tensor."""
-        if not self.consumers:
-            self.usage[1] += 1
+        self.norm.taken = True
         self.consumers += 1
         output_recompute.count("saved_as_handle")
 
@@ -65,8 +62,8 @@ class GatheredOutput:
             local = self.remake().view(self.local_shape)
             output_recompute.count("recomputed")
             self.unread = self.consumers
-            if self.local_shape[self.dim] * self.world == self.spec[2][self.dim]:  # even shards: one async gather
-                self.work = _torch_compat.all_gather_start(local.contiguous(), self.group)
+            if self.local_shape[self.dim] * self.norm.world == self.spec[2][self.dim]:  # even: one async gather
+                self.work = _torch_compat.all_gather_start(local.contiguous(), self.norm.group)
             else:  # uneven shards: DTensor's own padded gather, as the forward's
                 self.value = as_dtensor(local, *self.spec).redistribute(placements=(Replicate(),)).to_local()
 
@@ -75,8 +72,8 @@ class GatheredOutput:
         if self.value is None:
             gathered = _torch_compat.collective_result(self.work)
             shape = list(self.local_shape)
-            shape[self.dim] *= self.world
-            self.value = gathered.view(self.world, *self.local_shape).movedim(0, self.dim).reshape(shape)
+            shape[self.dim] *= self.norm.world
+            self.value = gathered.view(self.norm.world, *self.local_shape).movedim(0, self.dim).reshape(shape)
             self.work = None
         value = self.value
         if self.fingerprint is None:
@@ -86,6 +83,16 @@ class GatheredOutput:
         if self.unread <= 0:  # every consumer of this backward has it: nothing holds a copy between backwards
             self.value = self.fingerprint = None
         return value
+
+
+class _NormGathers:
+    """What a gathering norm's forwards share: its tensor-parallel group and size (DeviceMesh.size costs ~30 us a
+    call), and whether a consumer has taken one of its gathered outputs yet (`_warn_if_unused` watches until then)."""
+
+    __slots__ = ("group", "world", "taken")
+
+    def __init__(self, mesh):
+        self.group, self.world, self.taken = mesh.get_group(0), mesh.size(), False
 
 
 def _fingerprint(t: Tensor) -> Tensor:
@@ -180,14 +187,12 @@ def attach(norm: nn.Module, out: Tensor, y: DTensor) -> None:
     remake = getattr(y, output_recompute.REMAKE_ATTR, None)
     if remake is None or not isinstance(out, DTensor) or y.device_mesh.ndim != 1 or not out.requires_grad:
         return
-    usage = norm.__dict__.get("_shardnorm_gather_usage")
-    if usage is None:  # [gathers, gathers a consumer took, the mesh's group and size] (DeviceMesh.size: ~30 us)
-        mesh = y.device_mesh
-        usage = norm.__dict__["_shardnorm_gather_usage"] = [0, 0, mesh.get_group(0), mesh.size()]
-    usage[0] += 1
-    gathered = GatheredOutput(remake, y, usage)
+    gathers = norm.__dict__.get("_shardnorm_gathers")
+    if gathers is None:
+        gathers = norm.__dict__["_shardnorm_gathers"] = _NormGathers(y.device_mesh)
+    gathered = GatheredOutput(remake, y, gathers)
     setattr(out, _ATTR, gathered)
-    if not usage[1] and not norm.__dict__.get("_shardnorm_warned_unused"):  # until some consumer has taken one
+    if not gathers.taken and not norm.__dict__.get("_shardnorm_warned_unused"):
         out.register_hook(lambda grad: _warn_if_unused(norm, gathered))
 
 
