@@ -481,15 +481,26 @@ def changed_output_error() -> KeepOutputError:
                            "place.")
 
 
+def warn_once(norm: torch.nn.Module, what: str, message: str, stacklevel: int = 1) -> None:
+    """`message` as a UserWarning, once per norm module and `what` (the option's effect, said where it has none);
+    `stacklevel` as `warnings.warn` counts it from the caller."""
+    said = norm.__dict__.setdefault("_shardnorm_warned", set())
+    if what not in said:
+        said.add(what)
+        warnings.warn(message, stacklevel=stacklevel + 1)
+
+
+def warned(norm: torch.nn.Module, what: str) -> bool:
+    return what in norm.__dict__.get("_shardnorm_warned", ())
+
+
 def _warn_unscoped(owner) -> None:
-    """Once per norm: its option has no effect where no model of its was handed to `convert(model,
-    keep_output=False)` (the scope its consumers' saves are taken in)."""
-    if owner is None or owner.__dict__.get("_shardnorm_warned_unscoped"):
-        return
-    owner.__dict__["_shardnorm_warned_unscoped"] = True
-    warnings.warn(f"shardnorm: {type(owner).__name__} has keep_output=False but runs outside a model handed to "
-                  "shardnorm.convert(model, keep_output=False), so its consumers keep its output: pass the model "
-                  "that calls it (the outermost one you call) to convert", stacklevel=4)
+    """Its option has no effect where no model of its was handed to `convert(model, keep_output=False)` (the scope
+    its consumers' saves are taken in)."""
+    if owner is not None:
+        warn_once(owner, "unscoped", f"shardnorm: {type(owner).__name__} has keep_output=False but runs outside a "
+                  "model handed to shardnorm.convert(model, keep_output=False), so its consumers keep its output: "
+                  "pass the model that calls it (the outermost one you call) to convert", stacklevel=4)
 
 
 def _changed_input(name: str) -> KeepOutputError:

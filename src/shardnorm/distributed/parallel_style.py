@@ -10,7 +10,6 @@ Their reduction belongs to the model's reducer (`shardnorm.distributed.attach_re
 grads or Megatron's `finalize_model_grads`: exactly one of them.
 """
 
-import warnings
 from functools import partial
 
 import torch
@@ -128,15 +127,13 @@ class SequenceParallelNorm(ParallelStyle):
 
 
 def _warn_consumers_gather(module: nn.Module) -> None:
-    """Once per norm: keep_output=False saves nothing where the norm's output stays sharded and its consumers
-    gather it (torch's `PrepareModuleInput`): they save the gathered tensor, which is theirs."""
-    if module.__dict__.get("_shardnorm_warned_sharded_output"):
-        return
-    module.__dict__["_shardnorm_warned_sharded_output"] = True
-    warnings.warn(f"shardnorm: {type(module).__name__} has keep_output=False, but its SequenceParallelNorm output "
-                  "stays sequence-sharded and its consumers gather it themselves, so they keep the gathered tensor and "
-                  "the option saves nothing here: use SequenceParallelNorm(output_layouts=Replicate()) with "
-                  "RegatherColwiseParallel consumers, or keep_output=True", stacklevel=2)
+    """keep_output=False saves nothing where the norm's output stays sharded and its consumers gather it (torch's
+    `PrepareModuleInput`): they save the gathered tensor, which is theirs."""
+    output_recompute.warn_once(
+        module, "sharded output", f"shardnorm: {type(module).__name__} has keep_output=False, but its "
+        "SequenceParallelNorm output stays sequence-sharded and its consumers gather it themselves, so they keep the "
+        "gathered tensor and the option saves nothing here: use SequenceParallelNorm(output_layouts=Replicate()) with "
+        "RegatherColwiseParallel consumers, or keep_output=True", stacklevel=2)
 
 
 class _ProcessGroupSequenceParallelNorm(SequenceParallelNorm):

@@ -17,7 +17,6 @@ Under torch.compile the consumers run torch's linear and a selective checkpoint 
 (`output_recompute.compiled_transform`): the partitioner keeps the same shard.
 """
 
-import warnings
 from typing import Callable
 
 import torch
@@ -192,18 +191,17 @@ def attach(norm: nn.Module, out: Tensor, y: DTensor) -> None:
         gathers = norm.__dict__["_shardnorm_gathers"] = _NormGathers(y.device_mesh)
     gathered = GatheredOutput(remake, y, gathers)
     setattr(out, _ATTR, gathered)
-    if not gathers.taken and not norm.__dict__.get("_shardnorm_warned_unused"):
+    if not gathers.taken and not output_recompute.warned(norm, "unused"):
         out.register_hook(lambda grad: _warn_if_unused(norm, gathered))
 
 
 def _warn_if_unused(norm: nn.Module, gathered: GatheredOutput) -> None:
-    """Once per norm, when the gathered output's grad is complete (every consumer's backward ran): no
-    `RegatherLinear` consumer took it."""
-    if gathered.consumers or norm.__dict__.get("_shardnorm_warned_unused"):
+    """When the gathered output's grad is complete (every consumer's backward ran): no `RegatherLinear` consumer took
+    it."""
+    if gathered.consumers:
         return
-    norm.__dict__["_shardnorm_warned_unused"] = True
-    warnings.warn(f"shardnorm: {type(norm).__name__} has keep_output=False and gathers its output "
-                  "(SequenceParallelNorm(output_layouts=Replicate())), but no consumer parallelized with "
-                  "shardnorm.distributed.RegatherColwiseParallel read it: a consumer that saves it for its "
-                  "backward keeps the whole gathered output. Use RegatherColwiseParallel for the linears that read "
-                  "it")
+    output_recompute.warn_once(
+        norm, "unused", f"shardnorm: {type(norm).__name__} has keep_output=False and gathers its output "
+        "(SequenceParallelNorm(output_layouts=Replicate())), but no consumer parallelized with "
+        "shardnorm.distributed.RegatherColwiseParallel read it: a consumer that saves it for its backward keeps the "
+        "whole gathered output. Use RegatherColwiseParallel for the linears that read it")
