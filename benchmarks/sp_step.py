@@ -17,7 +17,7 @@ A step is MICRO_BATCHES forward+backward passes and an SGD step. Per round every
 table gives their median and range. Memory: bytes the first micro-batch's forward leaves allocated, and the peak.
 Losses of the first step are compared with torch's (each variant's own model, the same weights and data).
 
-    torchrun --nproc-per-node 2 -m benchmarks.sp_step --out OUT_DIR [--compile] [--rounds 5]
+    torchrun --nproc-per-node 2 -m benchmarks.sp_step --out OUT_DIR [--compile] [--rounds 5] [--trace]
     python -m benchmarks.sp_step --summary OUT_DIR      # every sp_step_*.json there: sp_step.md and sp_step.png
 """
 
@@ -136,6 +136,52 @@ def held_after_forward(model, x) -> int:
     return held
 
 
+def _covered(interval, others) -> float:
+    """Length of `interval` (start, end) covered by the union of the sorted intervals `others`."""
+    start, end = interval
+    covered, reach = 0.0, start
+    for s, e in others:
+        if e <= reach:
+            continue
+        if s >= end:
+            break
+        lo = max(s, reach)
+        covered += max(0.0, min(e, end) - lo)
+        reach = max(reach, min(e, end))
+    return covered
+
+
+def trace_step(model, variant, batches, opt, out, name, keep: bool) -> dict:
+    """One step under torch's profiler (GPU kernels): how much of the step's collective kernel time no compute kernel
+    overlaps (exposed), by the kernels' own timestamps; with `keep` the trace goes to `out/name.json.gz`."""
+    import gzip
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    common.Path(out).mkdir(parents=True, exist_ok=True)
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+        step(model, variant, batches, opt)
+        _sync()
+    path = common.Path(out) / f"{name}.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    if keep:
+        with gzip.open(f"{path}.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+    path.unlink()
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+               if e.get("cat") == "kernel" and e.get("dur") is not None]
+    comm = [(s, e) for s, e, n in kernels if "nccl" in n.lower()]
+    compute = sorted((s, e) for s, e, n in kernels if "nccl" not in n.lower())
+    comm_us = sum(e - s for s, e in comm)
+    exposed = sum((e - s) - _covered((s, e), compute) for s, e in comm)
+    span = max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels) if kernels else 0.0
+    return {"collective_kernels": len(comm), "collective_ms": comm_us / 1e3, "exposed_collective_ms": exposed / 1e3,
+            "compute_kernel_ms": sum(e - s for s, e in compute) / 1e3, "gpu_span_ms": span / 1e3}
+
+
 def summarize(folder) -> None:
     """One table and one plot of every run in `folder`: each ratio's median and range, by mode and tp."""
     import json
@@ -187,6 +233,9 @@ def main():
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--trace", action="store_true",
+                        help="after the rounds, one step per variant under torch's profiler: collective kernel time "
+                             "overlapped by compute, and the traces")
     args = parser.parse_args()
     if args.summary:
         summarize(args.summary)
@@ -233,31 +282,46 @@ def main():
             host[v].append(statistics.median(queued))
         if rank == 0:
             print(f"round {r}: " + ", ".join(f"{v} {times[v][-1]:.1f} ms" for v in args.variants), flush=True)
+    mode = "compiled" if args.compile else "eager"
+    traces = {}
+    if args.trace:
+        for v in args.variants:
+            traces[v] = trace_step(models[v], v, batches, opts[v], args.out,
+                                   f"sp_step_trace_{mode}_tp{world}_{v}_rank{rank}", keep=rank == 0)
     if rank != 0:
         dist.destroy_process_group()
         return
-    mode = "compiled" if args.compile else "eager"
     pairs = {}
     for b, a in (("shardnorm", "torch"), ("shardnorm_discard", "torch"), ("shardnorm_discard", "shardnorm")):
         if a in times and b in times:
             pairs[f"{b} / {a}"] = common.median_range([tb / ta for tb, ta in zip(times[b], times[a])])
     result = {"environment": common.environment(args.device, world), "command": common.command("benchmarks.sp_step"),
               "mode": mode, "tp": world, "shape": vars(args) | {"dtype": str(args.dtype)},
-              "step_ms": times, "host_ms": host, "pairs": pairs, "held_after_forward_mib": {v: b / 2**20 for v, b in held.items()},
-              "peak_mib": {v: b / 2**20 for v, b in peak.items()}, "first_step_loss": first_loss}
+              "step_ms": times, "host_ms": host, "pairs": pairs,
+              "held_after_forward_mib": {v: b / 2**20 for v, b in held.items()},
+              "peak_mib": {v: b / 2**20 for v, b in peak.items()}, "first_step_loss": first_loss,
+              "trace": traces}
     out = common.Path(args.out)
     common.write_json(out / f"sp_step_{mode}_tp{world}.json", result)
     lines = [f"# SP block stack, tp={world}, {mode}", "", f"`{result['command']}`", "",
-             f"{result['environment']['device']} x {world}, torch {torch.__version__}; {args.layers} blocks of 2 norms, "
-             f"D {args.dim}, F {args.ffn}, S {args.seq}, {MICRO_BATCHES} micro-batches, bf16; {args.rounds} rounds of "
-             f"{args.steps} steps, order rotated each round", ""]
+             f"{result['environment']['device']} x {world}, torch {torch.__version__}; {args.layers} blocks of 2 "
+             f"norms, D {args.dim}, F {args.ffn}, S {args.seq}, {MICRO_BATCHES} micro-batches, bf16; "
+             f"{args.rounds} rounds of {args.steps} steps, order rotated each round", ""]
     lines += common.table(["variant", "step ms (median of rounds)", "host ms (work queued)", "held after forward MiB",
                            "peak MiB", "first-step loss"],
                           [[v, f"{statistics.median(times[v]):.1f}", f"{statistics.median(host[v]):.1f}",
                             f"{held[v] / 2**20:.0f}",
                             f"{peak[v] / 2**20:.0f}", f"{first_loss[v]:.6g}"] for v in args.variants])
-    lines += [""] + common.table(["ratio", "median", "range"],
-                                 [[k, f"{p['median']:.3f}", f"{p['min']:.3f}-{p['max']:.3f}"] for k, p in pairs.items()])
+    ratios = [[k, f"{p['median']:.3f}", f"{p['min']:.3f}-{p['max']:.3f}"] for k, p in pairs.items()]
+    lines += [""] + common.table(["ratio", "median", "range"], ratios)
+    if traces:
+        lines += ["", "One step under torch's profiler (rank 0): collective kernels, and the part of their time no "
+                  "compute kernel overlaps", ""]
+        lines += common.table(["variant", "collective kernels", "collective ms", "exposed ms", "compute kernel ms",
+                               "GPU span ms"],
+                              [[v, t["collective_kernels"], f"{t['collective_ms']:.2f}",
+                                f"{t['exposed_collective_ms']:.2f}", f"{t['compute_kernel_ms']:.1f}",
+                                f"{t['gpu_span_ms']:.1f}"] for v, t in traces.items()])
     (out / f"sp_step_{mode}_tp{world}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     dist.destroy_process_group()

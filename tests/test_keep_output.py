@@ -18,6 +18,14 @@ from shardnorm.output_recompute import KeepOutputError
 H = 32
 
 
+def read_checks(forward) -> None:
+    """After a backward: on a GPU its checks reach the host asynchronously (`output_recompute.check_flag`); let the
+    copy land, then run `forward` (a keep_output=False norm's), which reads what arrived."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        forward()
+
+
 def scoped(model: torch.nn.Module) -> torch.nn.Module:
     """`model` handed to `convert(..., keep_output=False)`: its forward is the scope of its norms' option."""
     return shardnorm.convert(model, keep_output=False, warn=False).model
@@ -340,6 +348,7 @@ def test_input_changed_through_data_raises(device):
     h.data.mul_(3.0).add_(1.0)
     with pytest.raises(KeepOutputError, match="without a version-counter bump"):
         out.sum().backward()
+        read_checks(lambda: parent(x))
 
 
 def test_keyboard_interrupt_in_parent_forward():
@@ -856,6 +865,39 @@ def test_output_written_behind_autograd_raises(device):
     x = torch.randn(3, H, device=device, requires_grad=True)
     with pytest.raises(KeepOutputError, match="written after the norm's forward"):
         parent(x).sum().backward()
+        read_checks(lambda: parent(x))
     kept = _Parent(True).to(device)
     kept.norm.register_forward_hook(_write_behind_autograd)
     kept(x).sum().backward()  # the option off: the consumers saved the written output itself
+
+
+def test_device_checks_raise_once_their_copy_lands(monkeypatch):
+    """The order in which a GPU backward's checks are read (`output_recompute.check_flag`), with events standing in
+    for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, and
+    the end of a backward waits for every earlier backward's copy."""
+
+    class Event:
+        def __init__(self, landed):
+            self.landed = landed
+
+        def query(self):
+            return self.landed
+
+        def synchronize(self):
+            self.landed = True
+
+    def record(landed, *flags):
+        return Event(landed), torch.tensor(flags), [lambda i=i: KeepOutputError(f"flag {i}") for i in range(len(flags))]
+
+    unread = []
+    monkeypatch.setattr(output_recompute, "_unread", unread)
+    clean, dirty, travelling = record(True, False, False), record(True, False, True), record(False, True)
+    unread.extend([clean, dirty, travelling])
+    with pytest.raises(KeepOutputError, match="flag 1"):
+        output_recompute.check_arrived()
+    assert unread == [travelling]
+    output_recompute.check_arrived()  # not landed: not read, kept
+    assert unread == [travelling]
+    with pytest.raises(KeepOutputError, match="flag 0"):
+        output_recompute._check_pending(-7)  # a backward's end with no flags of its own waits for the earlier ones
+    assert unread == []

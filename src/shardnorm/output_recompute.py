@@ -20,7 +20,7 @@ backward recomputes the output with the same kernel on the same input, the other
 never touched: y's memory goes when nothing holds it any more, and stays, correct, where something does. An input
 changed in place (version counter) or through `.data` (the recompute's statistics against the forward's, bitwise),
 or an output written behind autograd before a consumer saved it (an fp32 sum), raises `KeepOutputError`; on a
-device the flags are read once, at the end of the backward.
+GPU a backward's flags go to the host in one asynchronous copy, read once it has landed (`check_flag`).
 
 Under torch.compile the hooks step aside; a norm with keep_output=False is traced inside a selective
 activation checkpoint that recomputes its forward op instead (`compiled_norm`), so AOTAutograd's partitioner
@@ -348,6 +348,7 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
     x, or z = x + residual (the kernels normalize the rounded z); `n` the normalized size."""
     if not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
+    check_arrived()
     if _scope.hooks is None:
         sequence_parallel = owner is not None and owner.__dict__.get(SP_OUTPUT_ATTR, False)
         # (a reentrant checkpoint's recompute runs inside the backward, outside any forward: nothing to warn of)
@@ -433,13 +434,14 @@ class _Remake:
 
 
 _pending_checks: dict = {}  # graph task id -> [(flag, error)]: the device flags of one backward's recomputes
+_unread: list = []  # [(event, host flags, errors)]: ended backwards' flags, on their way to the host
 _pending_lock = threading.Lock()  # a backward's nodes run on device threads; its end callback on another
 
 
 def _check_statistics(remake: _Remake, stats: tuple) -> None:
     """The recompute's statistics against the forward's, bitwise: a changed input the version counter did not see
     (written through `.data`) changes them. On the host the check is immediate; on a device the flags gather
-    until the end of the backward, so a norm's recompute costs no device-to-host read of its own."""
+    until the end of the backward (`check_flag`), so a norm's recompute costs no device-to-host read of its own."""
     flags = [torch.ne(new, old).any() for new, old in zip(stats, remake.stats) if new is not None and new.numel()]
     if flags:
         name = remake.name()
@@ -447,8 +449,12 @@ def _check_statistics(remake: _Remake, stats: tuple) -> None:
 
 
 def check_flag(flag: Tensor, error) -> None:
-    """Raise `error()` if the 0-dim bool `flag` is set: at once on the host, at the end of the backward on a
-    device (one read of all its flags, not a device-to-host sync per recompute)."""
+    """Raise `error()` if the 0-dim bool `flag` is set: at once on the host; on a CUDA device without waiting for
+    it. A backward's flags are copied to the host in one asynchronous copy at its end and read as soon as the copy
+    has landed: at the end of that backward if the GPU is done with it, else at the next forward of a
+    keep_output=False norm or, at the latest, at the end of the next backward, which waits for it. Reading them
+    at the end of their own backward would drain the GPU's queue once per micro-batch: the next forward's launches
+    could no longer run ahead of the GPU."""
     task = _torch_compat.current_graph_task_id()
     if flag.device.type == "cpu" or task == -1:
         if flag.item():
@@ -463,12 +469,53 @@ def check_flag(flag: Tensor, error) -> None:
 
 
 def _check_pending(task: int) -> None:
+    """At the end of a backward: start its flags' copy to the host, and raise for what earlier copies brought."""
     with _pending_lock:
         pending = _pending_checks.pop(task, [])
-    if not pending:
+        earlier = _unread[:]
+        _unread.clear()
+    for event, _, _ in earlier:
+        event.synchronize()
+    if pending:
+        flags = torch.stack([flag for flag, _ in pending])
+        errors = [error for _, error in pending]
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flags.device))
+            earlier.append((event, host, errors))
+        else:  # another device: one blocking read
+            _raise_set(flags.tolist(), errors)
+    _raise_arrived(earlier)
+
+
+def check_arrived() -> None:
+    """Raise for the flags of ended backwards whose copy to the host has landed, without waiting for the others
+    (a keep_output=False norm's forward calls it)."""
+    if _unread:
+        with _pending_lock:
+            records = _unread[:]
+            _unread.clear()
+        _raise_arrived(records)
+
+
+def _raise_arrived(records: list) -> None:
+    """Raise for the first set flag among `records` whose copies have landed (in stream order: the first still on its
+    way ends the scan); the records not read go back to `_unread`."""
+    for i, (event, host, errors) in enumerate(records):
+        arrived = event.query()
+        if arrived and not any(host.tolist()):
+            continue
+        with _pending_lock:
+            _unread[:0] = records[i + 1:] if arrived else records[i:]
+        if arrived:
+            _raise_set(host.tolist(), errors)
         return
-    flags = torch.stack([flag for flag, _ in pending]).tolist()  # one device-to-host read for the whole backward
-    for set_, (_, error) in zip(flags, pending):
+
+
+def _raise_set(flags: list, errors: list) -> None:
+    for set_, error in zip(flags, errors):
         if set_:
             raise error()
 

@@ -11,7 +11,8 @@ consumers own their saves, and a model without such consumers runs as torch runs
 
 Checked, not assumed: the norm's input changed after the forward (version counter, or the recompute's statistics
 against the forward's), and the gathered output written behind autograd before a consumer read it (an fp32 sum of
-what each consumer read against the re-gathered copy's); either raises `KeepOutputError` by the end of the backward.
+what each consumer read against the re-gathered copy's); either raises `KeepOutputError`
+(on a GPU as soon as the backward's flags reach the host: `output_recompute.check_flag`).
 
 Under torch.compile the consumers run torch's linear and a selective checkpoint recomputes the norm and the gather
 (`output_recompute.compiled_transform`): the partitioner keeps the same shard.
