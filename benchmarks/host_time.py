@@ -109,7 +109,7 @@ def plain_providers(rms: bool, n: int, device, dtype) -> dict:
         (lambda x: shardnorm.layer_norm(x, (n,), w, b)),
         "torch_functional": (lambda x: F.rms_norm(x, (n,), w)) if rms else (lambda x: F.layer_norm(x, (n,), w, b)),
         # the private node with direct=False: the op route, timed in eager; a signature change fails this row only
-        "shardnorm_ops": lambda x: ops._NormFunction.apply(x, w, b, None, None, None, 1e-6, rms, False, False, None),
+        "shardnorm_ops": lambda x: ops._NormFunction.apply(x, w, b, None, None, None, (1e-6, rms, False, False, None)),
     }
     try:
         from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm

@@ -234,6 +234,8 @@ class _NormFunction(torch.autograd.Function):
     of this node, the hand-off is an ordinary grad: Dynamo traces it, and the reducer's bookkeeping runs in the
     sink's post-accumulate hook, outside any graph.
 
+    `opts`: (eps, rms, zero_centered, direct, shards) in one argument, as the node keeps them in one ctx attribute:
+    each argument and attribute of the node is host time per call (docs/performance.md).
     `direct`: the call runs the backend's launchers itself (eager, plain local tensors, no dispatch mode); otherwise
     its forward and backward call the ops, which Dynamo traces into the graph and a dispatch mode or tensor subclass
     sees. `shards`: None, or (eager only) the `distributed.dtensor.TokenShards` of a token-sharded DTensor call: the
@@ -241,8 +243,9 @@ class _NormFunction(torch.autograd.Function):
     nodes and spec checks of `to_local` / `DTensor.from_local` (host time: docs/performance.md)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, sink_w, sink_b, eps, rms, zero_centered, direct, shards):
-        inputs = (x, weight)  # as passed: what a create_graph backward differentiates
+    def forward(ctx, x, weight, bias, residual, sink_w, sink_b, opts):
+        eps, rms, zero_centered, direct, shards = opts
+        x_in, weight_in = x, weight  # as passed: what a create_graph backward differentiates
         if shards is not None:
             x, weight, bias, residual = shards.unwrap(x, weight, bias, residual)
         if sink_w is not None:
@@ -250,53 +253,54 @@ class _NormFunction(torch.autograd.Function):
         if sink_b is not None:
             bias = _fp32(bias)
         if direct:
-            x, residual = _ready(x), _ready(residual)
+            if type(x) not in _PLAIN:
+                x = _ready(x)
+            if type(residual) not in _PLAIN:
+                residual = _ready(residual)
             y, z, mean, rstd = _forward(x, weight, bias, residual, eps, rms, zero_centered)
         else:
             y, z, mean, rstd = norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
         has_residual = residual is not None
         src = z if has_residual else x  # the rows the kernel normalized
-        ctx.y_dtype = y.dtype
+        routed_w, routed_b = sink_w is not None, sink_b is not None
+        # one ctx attribute: each costs host time per call, set here and read in the backward
+        ctx.flags = (bias is not None, has_residual, rms, zero_centered, eps, direct, shards, routed_w, routed_b,
+                     y.dtype)
         if shards is not None:
             y = shards.wrap(y, y.dtype)
             z = shards.wrap(z, z.dtype) if has_residual else None
         # saves begin (src, weight as the kernel read it, mean, rstd), which the output recompute reads
         # (`output_recompute`); a create_graph backward differentiates from x (or z) and the weight as passed
-        routed = sink_w is not None or sink_b is not None
-        if shards is not None or routed:
-            ctx.save_for_backward(src, weight, mean, rstd, z if has_residual else inputs[0], inputs[1])
+        if shards is not None or routed_w or routed_b:
+            ctx.save_for_backward(src, weight, mean, rstd, z if has_residual else x_in, weight_in)
         else:
             ctx.save_for_backward(src, weight, mean, rstd)
-        ctx.flags = (bias is not None, has_residual, rms, zero_centered, eps)
-        ctx.direct, ctx.shards, ctx.routed = direct, shards, (sink_w is not None, sink_b is not None)
         ctx.set_materialize_grads(False)
         return y if not has_residual else (y, z)
 
     @staticmethod
     def backward(ctx, dy, dz=None):
-        shards = ctx.shards
-        has_bias, has_residual, rms, zero_centered, eps = ctx.flags
+        has_bias, has_residual, rms, zero_centered, eps, direct, shards, sink_w, sink_b, y_dtype = ctx.flags
         if shards is not None:
             differentiable = torch.is_grad_enabled()
             dy, dz = shards.rows(dy, differentiable), shards.rows(dz, differentiable)
         saved = ctx.saved_tensors
         src, weight, mean, rstd = saved[:4]
         if dy is None:  # only z was used
-            dy = torch.zeros(src.shape, dtype=ctx.y_dtype, device=src.device)
+            dy = torch.zeros(src.shape, dtype=y_dtype, device=src.device)
         dz = dz if has_residual else None
         if torch.is_grad_enabled():  # create_graph: differentiable math, statistics recomputed from src
             if len(saved) > 4:
-                src, weight = _differentiable_inputs(ctx, saved[4], saved[5])
+                src, weight = _differentiable_inputs(shards, sink_w, saved[4], saved[5])
             mean, rstd = reference.statistics(src, eps, rms)
             run_bwd = reference.norm_bwd
         else:
-            direct = ctx.direct
             if direct:
-                dy, dz = _ready(dy), _ready(dz)
-                direct = _eager_ok(dy, dz)
+                if type(dy) not in _PLAIN or type(dz) not in _PLAIN:
+                    dy, dz = _ready(dy), _ready(dz)
+                    direct = _eager_ok(dy, dz)
             run_bwd = _backward_kernels if direct else norm_bwd
         dx, dweight, dbias = run_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
-        sink_w, sink_b = ctx.routed
         dweight = dweight if weight is not None else None
         dbias = dbias if has_bias else None
         to_w, to_b = (None if sink_w else dweight), (None if sink_b else dbias)
@@ -308,17 +312,15 @@ class _NormFunction(torch.autograd.Function):
             to_w, to_b = shards.param_grad(to_w, 0), shards.param_grad(to_b, 1)
         elif has_residual:
             dres = dx
-        return (dx, to_w, to_b, dres, dweight if sink_w else None, dbias if sink_b else None,
-                None, None, None, None, None)
+        return dx, to_w, to_b, dres, dweight if sink_w else None, dbias if sink_b else None, None
 
 
-def _differentiable_inputs(ctx, x_or_z, weight):
+def _differentiable_inputs(shards, routed_w: bool, x_or_z, weight):
     """(src rows, weight) for a create_graph backward, as differentiable functions of the call's inputs (or z)."""
-    shards = ctx.shards
     src = shards.rows(x_or_z, differentiable=True) if shards is not None else x_or_z
     if shards is not None:
         weight = shards.param(weight)
-    return src, (_fp32(weight) if ctx.routed[0] else weight)
+    return src, (_fp32(weight) if routed_w else weight)
 
 
 _INSTEAD = ("Use torch.nn.functional.layer_norm / rms_norm (or torch.nn.LayerNorm / RMSNorm) where you need it; "
@@ -356,13 +358,12 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
     sink_w, sink_b = sinks
     try:
         if shards is not None:
-            out = _apply(x, weight, bias, residual, sink_w, sink_b, eps, rms, zero_centered, True, shards)
+            out = _apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, True, shards))
         elif not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) \
                 and not _dispatch_modes_active():
-            out = _apply(x, weight, bias, residual, sink_w, sink_b, eps, rms, zero_centered, True, None)
+            out = _apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, True, None))
         else:
-            out = _NormFunction.apply(x, weight, bias, residual, sink_w, sink_b, eps, rms, zero_centered, False,
-                                      None)
+            out = _NormFunction.apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, False, None))
     except (RuntimeError, NotImplementedError) as e:  # a try costs nothing until it catches
         raise _transform_error(e, x, weight, bias, residual) from e
     return (out, None) if residual is None else out
