@@ -295,7 +295,8 @@ def _regather_edges(rank, world_size):
             model(x)
 
     with pytest.warns(UserWarning, match="RegatherColwiseParallel"):
-        for a, b in zip(grads(True, consumer=ColwiseParallel), grads(False, consumer=ColwiseParallel)):
+        torch_consumer = dict(consumer=ColwiseParallel, seq=seq)
+        for a, b in zip(grads(True, **torch_consumer), grads(False, **torch_consumer)):
             assert torch.equal(a, b)
 
 

@@ -372,12 +372,13 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
     kernel_weight, stats = state
     # The parameters as the kernel read them (an fp32 copy where the grads go to a reducer: the same launch again),
     # copied (N elements each): FSDP2 and ZeRO-3 free a gathered parameter after the forward and gather it again
-    # only when the backward reaches its own module.
+    # only when the backward reaches its own module. The norm's own fp32 copy is no parameter: its node holds it.
     with torch.no_grad():
-        weight, bias = (as_param(p.detach(), n).clone() if p is not None else None for p in (weight, bias))
         if kernel_weight is not None and weight is not None and kernel_weight.dtype != weight.dtype:
-            weight = weight.to(kernel_weight.dtype)
-            bias = bias.to(kernel_weight.dtype) if bias is not None else None
+            weight = kernel_weight
+            bias = as_param(bias.detach(), n).to(kernel_weight.dtype, copy=True) if bias is not None else None
+        else:
+            weight, bias = (as_param(p.detach(), n).clone() if p is not None else None for p in (weight, bias))
     remake = _Remake(owner, src, versioned, weight, bias, eps, rms, zero_centered, n, y_local.dtype, stats)
     if _torch_compat.is_dtensor(y):
         setattr(y, REMAKE_ATTR, remake)  # what a gathering style's consumers re-gather from (distributed/regather.py)
@@ -572,6 +573,7 @@ def _dtensor_locals(y, src, weight, bias, n: int) -> Optional[tuple]:
     for p in (weight, bias):
         if isinstance(p, DTensor) and not all(isinstance(q, Replicate) for q in p.placements):
             return None
-    with torch.no_grad():  # a collective's pending result (the embedding's reduce-scatter) as the op saw it: waited
-        local = tuple(ops._ready(t.to_local()) if isinstance(t, DTensor) else t for t in (y, src, weight, bias))
+    # a collective's pending result (the embedding's reduce-scatter) as the op saw it: waited
+    local = tuple(ops._ready(_torch_compat.dtensor_local(t)) if isinstance(t, DTensor) else t
+                  for t in (y, src, weight, bias))
     return local if all(type(t) in ops._PLAIN for t in local[1:]) else None
