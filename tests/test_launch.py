@@ -2,6 +2,8 @@
 cache's key, or a kernel compiled for one argument would be reused for another; a Launcher's
 constexprs must match its kernel's."""
 
+import inspect
+
 import pytest
 import torch
 import triton.language as tl
@@ -114,6 +116,36 @@ def test_derived_arguments_are_left_out_of_the_key(monkeypatch):
     launcher((1,), x[1:], y, 8)  # a keyed tensor misaligned: a new key
     launcher((1,), x, y, 16)  # a keyed int now divisible by 16: a new key
     assert len(misses) == 3
+
+
+def _plan_launchers():
+    """Every Launcher of the forward and backward plans of a few shapes (portable kernels; CPU plans)."""
+    import importlib
+
+    fwd = importlib.import_module("shardnorm.kernels.norm_fwd")
+    bwd = importlib.import_module("shardnorm.kernels.norm_bwd")
+    cpu = torch.device("cpu")
+    plans = [fwd._FwdPlan(n, 2, True, bias, residual, rms, False, cpu) for n in (1024, 65536)
+             for bias in (False, True) for residual in (False, True) for rms in (False, True)]
+    plans += [bwd._BwdPlan(n, torch.bfloat16, bias, dz, rms, False, cpu, "") for n in (1024, 65536)
+              for bias in (False, True) for dz in (False, True) for rms in (False, True)]
+    return [launcher for plan in plans for launcher in vars(plan).values() if isinstance(launcher, Launcher)]
+
+
+def test_plans_leave_out_of_the_key_only_outputs_and_plan_constants():
+    """A plan's Launchers key every argument whose specialization a call can change: the unkeyed ones are the
+    buffers the plan allocates and N, K, the tile count and eps, which the plan fixes (it is built per N)."""
+    fixed = {"N", "K", "NUM_SUM_TILES", "eps"}
+    allocated = {"norm_fwd_kernel": {"Y", "Z", "MEAN", "RSTD"}}  # the backward's: its outputs and fp32 buffers
+    launchers = _plan_launchers()
+    assert {launcher.kernel.fn.__name__ for launcher in launchers} == {
+        "norm_fwd_kernel", "norm_bwd_kernel", "row_sums_kernel", "dx_kernel", "column_sum_kernel"}
+    for launcher in launchers:
+        names = list(inspect.signature(launcher.kernel.fn).parameters)
+        unkeyed = {names[i] for i in launcher.derived}
+        buffers = allocated.get(launcher.kernel.fn.__name__, {"DX", "DW_OUT", "DB_OUT", "ROW_SUMS", "PARTIAL", "OUT_W",
+                                                               "OUT_B"})
+        assert unkeyed <= fixed | buffers, (launcher.kernel.fn.__name__, unkeyed - fixed - buffers)
 
 
 def _compiled_mode(kernel):

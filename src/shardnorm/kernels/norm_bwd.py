@@ -219,24 +219,25 @@ class _BwdPlan:
         elif isinstance(self.cfg, config.SplitBwdConfig):
             sums, dx = self.cfg.row_sums, self.cfg.dx
             self.sum_tiles = config.cdiv(n, sums.block_n)
-            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, derived=(5, 6), HAS_BIAS=has_bias,
+            self.row_sums = Launcher(row_sums_kernel, sums.num_warps, derived=(5, 6, 10), HAS_BIAS=has_bias,
                                      BLOCK_M=sums.block_m, BLOCK_N=sums.block_n, NUM_STAGES=sums.num_stages,
                                      HOIST_PARAMS=sums.hoist_params, **flags)
-            self.dx = Launcher(dx_kernel, dx.num_warps, derived=(6, 7), HAS_DZ=has_dz, BLOCK_M=dx.block_m,
+            self.dx = Launcher(dx_kernel, dx.num_warps, derived=(6, 7, 12, 13), HAS_DZ=has_dz, BLOCK_M=dx.block_m,
                                BLOCK_N=dx.block_n, SUM_TILES=config.next_pow2(self.sum_tiles), **flags)
         else:
             cfg = self.cfg
-            fused = dict(derived=(6, 7, 8), HAS_BIAS=has_bias, HAS_DZ=has_dz,
+            fused = dict(derived=(6, 7, 8, 13), HAS_BIAS=has_bias, HAS_DZ=has_dz,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_STAGES=cfg.num_stages,
                          HOIST_PARAMS=cfg.hoist_params, **flags)
             self.fused = Launcher(norm_bwd_kernel, cfg.num_warps, DIRECT_GRADS=False, **fused)
             self.direct = Launcher(norm_bwd_kernel, cfg.num_warps, DIRECT_GRADS=True, **fused)
         self.split = isinstance(self.cfg, config.SplitBwdConfig)
+        self.staged_cfg = isinstance(self.cfg, config.StagedConfig)
         self.one_pass = isinstance(self.cfg, config.TileConfig)
         self.grids = {}  # M -> _grid(M), host time per call (bounded: MAX_CACHED_M)
         block_k = config.column_sum_block(self.num_grads * n, self.sms)
         self.column_programs = config.cdiv(self.num_grads * n, block_k)
-        self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2), BLOCK_P=16, BLOCK_K=block_k)
+        self.column_sum = Launcher(column_sum_kernel, 4, derived=(0, 1, 2, 4, 5), BLOCK_P=16, BLOCK_K=block_k)
 
     def _grid(self, M):
         """(programs, dx tiles, direct) for M rows; direct: one program writes dgamma/dbeta itself
@@ -249,25 +250,25 @@ class _BwdPlan:
 
     def __call__(self, dy, dz, src, weight, mean, rstd):
         M, N = src.shape
-        staged = isinstance(self.cfg, config.StagedConfig)
+        staged = self.staged_cfg
         if staged and not (M and _stageable(src, dy, weight)):
             return self.portable()(dy, dz, src, weight, mean, rstd)  # (no rows: zero partials there)
-        device = src.device
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
         num_grads = self.num_grads
-        partial_rows, dx_tiles, direct = config.per_m(self.grids, M, self._grid)
-        # dgamma, dbeta: separate tensors (an op's outputs may not alias)
-        dweight = torch.empty(N, dtype=self.grad_dtype, device=device) if weight is not None else None
-        dbias = torch.empty(N, dtype=self.grad_dtype, device=device) if self.has_bias else None
-        partial = torch.empty((partial_rows, num_grads * N), dtype=torch.float32, device=device) \
-            if num_grads and not direct else None
+        partial_rows, dx_tiles, direct = self.grids.get(M) or config.per_m(self.grids, M, self._grid)
+        # dgamma, dbeta: separate tensors (an op's outputs may not alias); src.new_empty: no torch.device per call
+        dweight = src.new_empty(N, dtype=self.grad_dtype) if weight is not None else None
+        dbias = src.new_empty(N, dtype=self.grad_dtype) if self.has_bias else None
+        partial = src.new_empty((partial_rows, num_grads * N), dtype=torch.float32) if num_grads and not direct \
+            else None
         dz_stride = dz.stride()[0] if dz is not None else 0
         if staged:
+            device = src.device
             exchange = self.exchange_words(device, torch.cuda.current_stream(device).cuda_stream, self.sms)
             self.staged((self.slices, partial_rows), src, dy, dz, weight, mean, rstd, dx, partial, exchange,
                         src.stride()[0], dy.stride()[0], dz_stride, M, N)
         elif self.split:
-            row_sums = torch.empty((self.row_sum_kinds, M, self.sum_tiles), dtype=torch.float32, device=device)
+            row_sums = src.new_empty((self.row_sum_kinds, M, self.sum_tiles), dtype=torch.float32)
             if M or num_grads:
                 self.row_sums((self.sum_tiles, partial_rows), src, dy, weight, mean, rstd, row_sums, partial,
                               src.stride()[0], dy.stride()[0], M, N)

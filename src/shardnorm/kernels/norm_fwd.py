@@ -216,7 +216,8 @@ def _stageable_params(weight, bias) -> bool:
         (weight is None or bias is None or weight.element_size() == bias.element_size())
 
 
-_OUTPUTS = (4, 5, 6, 7)  # Y, Z, MEAN, RSTD: allocated by _FwdPlan, dtypes fixed by x, residual and the plan
+# Y, Z, MEAN, RSTD: allocated by _FwdPlan, dtypes fixed by x, residual and the plan; N and eps: fixed by the plan
+_UNKEYED = (4, 5, 6, 7, 11, 12)
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,7 +235,7 @@ class _FwdPlan:
         self.cfg = cfg = config.fwd_config(n, param_size, has_bias)
         self.sms = config.sm_count(device)
         self.programs = {}  # M -> programs to launch, host time per call (bounded: MAX_CACHED_M)
-        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, derived=_OUTPUTS, IS_RMS=rms,
+        self.kernel = Launcher(norm_fwd_kernel, cfg.num_warps, derived=_UNKEYED, IS_RMS=rms,
                                HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual,
                                ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n,
                                SINGLE_PASS=cfg.single_pass, NUM_STAGES=cfg.num_stages,
@@ -257,15 +258,15 @@ class _FwdPlan:
 
     def __call__(self, x, weight, bias, residual, eps):
         M, N = x.shape
-        device = x.device
+        # x.new_empty: no torch.device object per call (x.device), fewer arguments to parse than torch.empty
         y = torch.empty_like(x)
-        z = torch.empty((M, N), dtype=torch.result_type(x, residual), device=device) if residual is not None else None
-        mean = None if self.rms else torch.empty(M, dtype=torch.float32, device=device)
-        rstd = torch.empty(M, dtype=torch.float32, device=device)
+        z = x.new_empty((M, N), dtype=torch.result_type(x, residual)) if residual is not None else None
+        mean = None if self.rms else x.new_empty(M, dtype=torch.float32)
+        rstd = x.new_empty(M, dtype=torch.float32)
         if M and self.staged is not None and config.staged_rows(x) and _stageable_params(weight, bias):
             self.staged((min(M, self.sms),), x, weight, bias, y, mean, rstd, x.stride()[0], M, N, eps)
         elif M:
-            programs = config.per_m(self.programs, M, self._programs)
+            programs = self.programs.get(M) or config.per_m(self.programs, M, self._programs)
             self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
                         residual.stride()[0] if residual is not None else 0, M, N, eps)
         return y, z, mean, rstd
