@@ -1,6 +1,7 @@
 """Host (CPU) time per norm call at small shapes, where the GPU's work is negligible.
 
     python -m benchmarks.host_time --out DIR [--shapes 8x4096 8x1024] [--profile]    # CUDA, else CPU tensors
+    python -m benchmarks.host_time --layers --out DIR [--shapes 8x4096]             # where a call's time goes
     python -m benchmarks.host_time --dtensor --out DIR                               # CPU, a 1-rank gloo mesh
     torchrun --nproc-per-node 2 -m benchmarks.host_time --dtensor --device cuda --out DIR   # 2 GPUs, NCCL
 
@@ -23,11 +24,22 @@ inside), the median of ROUNDS rounds, the best of 3 such medians; forward, and f
 The providers of a case take turns round by round, so a slow stretch of the shared CPU falls on all of them.
 Writes DIR/host_time.{json,md} (`--dtensor`: DIR/host_time_dtensor.{json,md}, rank 0); `--profile` adds a cProfile
 of each provider's forward+backward, DIR/profile/<case>-<provider>.txt.
+
+`--layers`: the eager call layer by layer, each layer timed from its own entry point (the layers below it
+included), against torch's module and functional call: forward, the launcher alone (`Launcher.__call__`, outputs
+allocated once), the plan (`_FwdPlan.__call__`: allocations and the launch), `kernels.norm_fwd` (the plan lookup),
+`ops.norm` (the autograd node), the functional call, the module; backward, the plan (`_BwdPlan.__call__`), the
+node's Python backward alone (`grad_fn.apply` under no_grad: no autograd engine), then forward+backward for
+`ops.norm`, the functional call and the module. Also timed: the pieces a launch and a plan call are made of
+(Triton's current device and stream, torch's, the allocations). Writes DIR/host_time_layers.{json,md} after every
+case. Needs the Triton backend: CUDA tensors, or on a CPU `TRITON_INTERPRET=1 SHARDNORM_BACKEND=triton` (the
+interpreter runs the kernels: a check that it runs, not a timing).
 """
 
 import argparse
 import contextlib
 import cProfile
+import importlib
 import io
 import os
 import pstats
@@ -40,7 +52,7 @@ import torch.nn.functional as F
 
 import shardnorm
 from benchmarks.common import command, environment, table, turns, write_json
-from shardnorm import ops
+from shardnorm import ops, settings
 
 SHAPES = ((8, 4096), (8, 1024), (4096, 128))
 DTENSOR_SHAPES = {"cuda": ((1, 16, 4096),), "cpu": ((1, 16, 64), (1, 16, 4096))}  # [batch, sequence, hidden]
@@ -253,6 +265,104 @@ def write(out: Path, name: str, rows: list[dict], env: dict, title: str, shape_h
     print("\n".join(lines))
 
 
+def layer_fns(rms: bool, m: int, n: int, device, dtype) -> tuple[dict, dict]:
+    """({layer: fn()} timed per forward call, {layer: fn()} timed per forward+backward or backward call) for one
+    norm and shape: shardnorm's eager path from the launcher up, torch's module and functional call beside it."""
+    from triton.runtime.driver import driver
+
+    config = importlib.import_module("shardnorm.kernels.config")
+    kf = importlib.import_module("shardnorm.kernels.norm_fwd")
+    kb = importlib.import_module("shardnorm.kernels.norm_bwd")
+    ours = (shardnorm.RMSNorm if rms else shardnorm.LayerNorm)(n, eps=1e-6, device=device, dtype=dtype)
+    theirs = (torch.nn.RMSNorm if rms else torch.nn.LayerNorm)(n, eps=1e-6, device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in list(ours.parameters()) + list(theirs.parameters()):
+            p.normal_()
+    w, b = ours.weight, getattr(ours, "bias", None)
+    wd, bd = w.detach(), (b.detach() if b is not None else None)
+    x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
+    xd, dy = x.detach(), torch.randn(m, n, device=device, dtype=dtype)
+    eps = 1e-6
+    # the plans kernels.norm_fwd / norm_bwd look up for these arguments
+    fwd_kernels = config.specialized(device) if n > config.MAX_FUSED_N_FWD else ""
+    fwd_plan = kf._plan(n, wd.element_size(), True, bd is not None, False, rms, False, device, fwd_kernels)
+    bwd_kernels = config.specialized(device) if n >= config.MIN_LONG_N_BWD else ""
+    bwd_plan = kb._plan(n, wd.dtype, bd is not None, False, rms, False, device, bwd_kernels)
+    y0, _, mean0, rstd0 = fwd_plan(xd, wd, bd, None, eps)
+    programs = fwd_plan._programs(m)
+    stride = xd.stride()[0]
+    node = ops.norm(x, w, b, None, eps, rms, False)[0].grad_fn  # its saved tensors stay: apply() may run again
+
+    def node_backward():
+        with torch.no_grad():  # as the engine runs it (grad mode on would take the create_graph path)
+            node.apply(dy)
+
+    functional = (lambda: shardnorm.rms_norm(x, (n,), w, eps)) if rms else \
+        (lambda: shardnorm.layer_norm(x, (n,), w, b, eps))
+    torch_functional = (lambda: F.rms_norm(x, (n,), w, eps)) if rms else (lambda: F.layer_norm(x, (n,), w, b, eps))
+    forward = {}
+    if device.type == "cuda":  # what a launch asks Triton's driver for, and torch's current device beside it
+        active = driver.active
+        forward["triton_device_stream"] = lambda: active.get_current_stream(active.get_current_device())
+        forward["torch_current_device"] = torch.cuda.current_device
+    forward |= {
+        "empty_like_x": lambda: torch.empty_like(xd),
+        "new_empty_rows_fp32": lambda: xd.new_empty(m, dtype=torch.float32),
+        "launcher": lambda: fwd_plan.kernel((programs,), xd, None, wd, bd, y0, None, mean0, rstd0, stride, 0, m, n,
+                                            eps),
+        "plan": lambda: fwd_plan(xd, wd, bd, None, eps),
+        "kernels.norm_fwd": lambda: ops._kernels().norm_fwd(xd, wd, bd, None, eps, rms, False),
+        "ops.norm": lambda: ops.norm(x, w, b, None, eps, rms, False),
+        "functional": functional,
+        "module": lambda: ours(x),
+        "torch_functional": torch_functional,
+        "torch_module": lambda: theirs(x),
+    }
+    backward = {
+        "bwd_plan": lambda: bwd_plan(dy, None, xd, wd, mean0, rstd0),
+        "bwd_node_python": node_backward,
+        "fb_ops.norm": lambda: ops.norm(x, w, b, None, eps, rms, False)[0].backward(dy),
+        "fb_functional": lambda: functional().backward(dy),
+        "fb_module": lambda: ours(x).backward(dy),
+        "fb_torch_functional": lambda: torch_functional().backward(dy),
+        "fb_torch_module": lambda: theirs(x).backward(dy),
+    }
+    return forward, backward
+
+
+def measure_layers(shapes, device, dtype, out: Path, env: dict) -> list[dict]:
+    """Per-layer host us per call of every norm and shape, both directions; the files rewritten after each case."""
+    if device.type != "cuda" and settings.get().backend != "triton":
+        raise SystemExit("--layers times the Triton path: run it on a GPU, or on a CPU with TRITON_INTERPRET=1 "
+                         "SHARDNORM_BACKEND=triton (a check that it runs, not a timing)")
+    rows = []
+    for rms in (True, False):
+        for m, n in shapes:
+            forward, backward = layer_fns(rms, m, n, device, dtype)
+            fields = {"norm": "rms" if rms else "ln", "m": m, "n": n, "shape": f"{m} x {n}"}
+            for kind, fns in (("forward", forward), ("backward", backward)):
+                for name, us in host_us_interleaved(fns).items():
+                    rows.append({**fields, "kind": kind, "layer": name, "us": us})
+                    print(rows[-1], flush=True)
+            write_layers(out, rows, env)
+    return rows
+
+
+def write_layers(out: Path, rows: list[dict], env: dict) -> None:
+    write_json(out / "host_time_layers.json", {"env": env, "rows": rows})
+    cases = list(dict.fromkeys((r["norm"], r["shape"]) for r in rows))
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    us = {(r["norm"], r["shape"], r["layer"]): r["us"] for r in rows}
+    lines = [f"Host us per call, layer by layer, {env['device']}, {env['dtype']}, torch {env['torch']}, "
+             f"Triton {env['triton']}", "", f"Command: `{env['command']}`", "",
+             "Each layer timed from its own entry point (the layers below it included); `fb_*`: forward+backward.",
+             ""]
+    lines += table(["layer", *[f"{norm} {shape}" for norm, shape in cases]],
+                   [[layer, *[f"{us[(*case, layer)]:.1f}" if (*case, layer) in us else "" for case in cases]]
+                    for layer in layers])
+    (out / "host_time_layers.md").write_text("\n".join(lines) + "\n")
+
+
 def parse_shape(text: str) -> tuple:
     return tuple(map(int, text.split("x")))
 
@@ -267,9 +377,16 @@ def main(argv=None):
                         help="MxN (default 8x4096 8x1024 4096x128); --dtensor: BxSxN global, sharded on S "
                              "(default 1x16x4096 on GPUs, also 1x16x64 on CPU)")
     parser.add_argument("--profile", action="store_true", help="also write a cProfile of each provider to OUT/profile/")
+    parser.add_argument("--layers", action="store_true", help="the eager call layer by layer (launcher, plan, "
+                        "kernels, ops.norm, functional, module; backward) instead of the providers")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.layers:
+        env = {**environment(args.device), "dtype": str(dtype), "command": command(__spec__.name, argv)}
+        measure_layers(args.shapes or SHAPES, torch.device(args.device), dtype, args.out, env)
+        print((args.out / "host_time_layers.md").read_text())
+        return
     if not args.dtensor:
         cases = plain_cases(args.shapes or SHAPES, torch.device(args.device), dtype)
         rows = measure(cases, args.out, args.profile, True)
