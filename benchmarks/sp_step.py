@@ -22,6 +22,7 @@ Losses of the first step are compared with torch's (each variant's own model, th
 """
 
 import argparse
+import ast
 import contextlib
 import statistics
 import time
@@ -96,8 +97,10 @@ def build(variant: str, args, mesh, seed: int) -> nn.Module:
     if variant != "torch":
         attach_reducer(model)
     if args.compile:
-        for block in model:  # static shapes: every block's graph is the first one's (its recompile on the next
-            block.compile(dynamic=False)  # block's parameters would otherwise trace DTensors with symbolic sizes)
+        # static shapes: every block's graph is the first one's (its recompile on the next block's parameters would
+        # otherwise trace DTensors with symbolic sizes)
+        for block in model:
+            block.compile(dynamic=False, options=args.inductor or None)
     return model
 
 
@@ -233,6 +236,9 @@ def main():
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="Inductor options for every variant's compile (torch.compile's options), e.g. "
+                             "aten_distributed_optimizations.enable_overlap_scheduling=True")
     parser.add_argument("--trace", action="store_true",
                         help="after the rounds, one step per variant under torch's profiler: collective kernel time "
                              "overlapped by compute, and the traces")
@@ -242,6 +248,7 @@ def main():
         return
     if not args.out:
         parser.error("--out is required for a run")
+    args.inductor = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.inductor)}
     args.dtype = torch.bfloat16
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
