@@ -291,7 +291,9 @@ def layer_fns(rms: bool, m: int, n: int, device, dtype) -> tuple[dict, dict]:
     y0, _, mean0, rstd0 = fwd_plan(xd, wd, bd, None, eps)
     programs = fwd_plan._programs(m)
     stride = xd.stride()[0]
-    node = ops.norm(x, w, b, None, eps, rms, False)[0].grad_fn  # its saved tensors stay: apply() may run again
+    # the output held with its node: the node's saved tensors stay, so apply() may run again
+    y_held = ops.norm(x, w, b, None, eps, rms, False)[0]
+    node = y_held.grad_fn
 
     def node_backward():
         with torch.no_grad():  # as the engine runs it (grad mode on would take the create_graph path)
