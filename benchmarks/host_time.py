@@ -29,7 +29,8 @@ of each provider's forward+backward, DIR/profile/<case>-<provider>.txt.
 included), against torch's module and functional call: forward, the launcher alone (`Launcher.__call__`, outputs
 allocated once), the plan (`_FwdPlan.__call__`: allocations and the launch), `kernels.norm_fwd` (the plan lookup),
 `ops.norm` (the autograd node), the functional call, the module; backward, the plan (`_BwdPlan.__call__`), the
-node's Python backward alone (`grad_fn.apply` under no_grad: no autograd engine), then forward+backward for
+backward alone through the autograd engine (`torch.autograd.grad` of a retained graph, ours and torch's), then
+forward+backward for
 `ops.norm`, the functional call and the module. Also timed: the pieces a launch and a plan call are made of
 (Triton's current device and stream, torch's, the allocations). Writes DIR/host_time_layers.{json,md} after every
 case. Needs the Triton backend: CUDA tensors, or on a CPU `TRITON_INTERPRET=1 SHARDNORM_BACKEND=triton` (the
@@ -291,13 +292,9 @@ def layer_fns(rms: bool, m: int, n: int, device, dtype) -> tuple[dict, dict]:
     y0, _, mean0, rstd0 = fwd_plan(xd, wd, bd, None, eps)
     programs = fwd_plan._programs(m)
     stride = xd.stride()[0]
-    # the output held with its node: the node's saved tensors stay, so apply() may run again
-    y_held = ops.norm(x, w, b, None, eps, rms, False)[0]
-    node = y_held.grad_fn
-
-    def node_backward():
-        with torch.no_grad():  # as the engine runs it (grad mode on would take the create_graph path)
-            node.apply(dy)
+    # backward alone, through the autograd engine, the graph retained so that it runs again: ours against torch's
+    ours_y, torch_y = ops.norm(x, w, b, None, eps, rms, False)[0], (
+        F.rms_norm(x, (n,), w, eps) if rms else F.layer_norm(x, (n,), w, b, eps))
 
     functional = (lambda: shardnorm.rms_norm(x, (n,), w, eps)) if rms else \
         (lambda: shardnorm.layer_norm(x, (n,), w, b, eps))
@@ -322,7 +319,8 @@ def layer_fns(rms: bool, m: int, n: int, device, dtype) -> tuple[dict, dict]:
     }
     backward = {
         "bwd_plan": lambda: bwd_plan(dy, None, xd, wd, mean0, rstd0),
-        "bwd_node_python": node_backward,
+        "bwd_ops.norm": lambda: torch.autograd.grad(ours_y, (x,), dy, retain_graph=True),
+        "bwd_torch_functional": lambda: torch.autograd.grad(torch_y, (x,), dy, retain_graph=True),
         "fb_ops.norm": lambda: ops.norm(x, w, b, None, eps, rms, False)[0].backward(dy),
         "fb_functional": lambda: functional().backward(dy),
         "fb_module": lambda: ours(x).backward(dy),
