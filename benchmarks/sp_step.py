@@ -189,25 +189,35 @@ def summarize(folder) -> None:
     """One table and one plot of every run in `folder`: each ratio's median and range, by mode and tp."""
     import json
 
-    runs = sorted((json.loads(p.read_text()) for p in common.Path(folder).glob("sp_step_*_tp*.json")),
-                  key=lambda r: (r["mode"] != "eager", r["tp"]))
+    runs = []
+    for path in sorted(common.Path(folder).glob("sp_step_*_tp*.json")):
+        run = json.loads(path.read_text())
+        run["label"] = path.stem.removeprefix("sp_step_")  # e.g. eager_tp2, compiled_tp4_reorder
+        runs.append(run)
+    runs.sort(key=lambda r: (r["mode"] != "eager", r["tp"], r["label"]))
     rows, labels = [], []
     for r in runs:
         for name, p in r["pairs"].items():
-            rows.append([r["mode"], r["tp"], name, f"{p['median']:.3f}", f"{p['min']:.3f}-{p['max']:.3f}"])
+            rows.append([r["label"], name, f"{p['median']:.3f}", f"{p['min']:.3f}-{p['max']:.3f}"])
         held = r["held_after_forward_mib"]
-        rows.append([r["mode"], r["tp"], "held after forward MiB (torch / shardnorm / discard)",
+        rows.append([r["label"], "held after forward MiB (torch / shardnorm / discard)",
                      " / ".join(f"{held[v]:.0f}" for v in VARIANTS if v in held), ""])
-        labels.append(f"{r['mode']} tp={r['tp']}")
+        trace = r.get("trace") or {}
+        if trace:
+            spans = [f"{trace[v]['exposed_collective_ms']:.2f}, {trace[v]['gpu_span_ms']:.1f}"
+                     for v in VARIANTS if v in trace]
+            rows.append([r["label"], "one profiled step: exposed collective ms, GPU span ms (torch / shardnorm / "
+                         "discard)", " / ".join(spans), ""])
+        labels.append(r["label"])
     lines = ["# SP block stack: shardnorm's README recipe against torch's norms and plan", "",
              "Step-time ratios, median of the alternating rounds and their range; per-run tables and commands in "
-             "the `sp_step_<mode>_tp<N>.md` files beside this one.", ""]
-    lines += common.table(["mode", "tp", "ratio", "median", "range"], rows)
+             "the `sp_step_<run>.md` files beside this one.", ""]
+    lines += common.table(["run", "ratio", "median", "range"], rows)
     (common.Path(folder) / "sp_step.md").write_text("\n".join(lines) + "\n")
     plt = common.pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(1.6 * len(runs) + 2, 3.5))
     names = ("shardnorm / torch", "shardnorm_discard / shardnorm")
     for k, name in enumerate(names):
         med = [r["pairs"][name]["median"] for r in runs]
