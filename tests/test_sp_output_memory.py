@@ -266,6 +266,9 @@ def _regather_edges(rank, world_size):
     seq = SEQ + 1 if probe.to_local().is_contiguous() else SEQ
     for a, b in zip(grads(True, seq=seq), grads(False, seq=seq)):
         assert torch.equal(a, b)
+    # the option off: the consumers' linear on local tensors against torch's ColwiseParallel (DTensor's), bitwise
+    for a, b in zip(grads(True, seq=seq), grads(True, consumer=ColwiseParallel, seq=seq)):
+        assert torch.equal(a, b)
 
     def twice(keep):  # a second backward over the retained graph re-gathers again: twice the one backward's grads
         model, x = build(keep, seq=SEQ)

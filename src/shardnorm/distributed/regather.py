@@ -18,7 +18,7 @@ Under torch.compile the consumers run torch's linear and a selective checkpoint 
 (`output_recompute.compiled_transform`): the partitioner keeps the same shard.
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from shardnorm import _torch_compat, output_recompute
+from shardnorm import _torch_compat, ops, output_recompute
 from shardnorm.rows import as_dtensor, cached_spec
 
 _ATTR = "_shardnorm_gathered"  # on the norm's gathered output DTensor: its GatheredOutput
@@ -100,35 +100,41 @@ def _fingerprint(t: Tensor) -> Tensor:
 
 
 class _RegatherLinear(torch.autograd.Function):
-    """F.linear of the gathered output `x` (a `Replicate` DTensor) and this rank's column shard (`weight`, `bias`:
-    `Shard(0)` DTensors) on their local tensors, saving the weight and the `GatheredOutput` instead of x; takes and
-    returns DTensors with specs cached per module (`rows.cached_spec`: no `to_local` / `from_local` nodes). The
-    backward computes what autograd's own linear backward computes, with the same ops in the same layouts (bitwise the
-    grads of torch's linear): dx = dy @ w (a `Partial` sum over the tensor-parallel ranks), dw = dy^T @ x,
-    db = sum(dy)."""
+    """F.linear of a `Replicate` DTensor `x` and this rank's column shard (`weight`, `bias`: `Shard(0)` DTensors) on
+    their local tensors, taking and returning DTensors with specs cached per module (`rows.cached_spec`: no
+    `to_local` / `from_local` nodes, no DTensor dispatch). Saves the weight and either x's local tensor or, for a
+    keep_output=False norm's gathered output, its `GatheredOutput` instead. The backward computes what autograd's
+    own linear backward computes, with the same ops in the same layouts (bitwise the grads of torch's linear under
+    `ColwiseParallel`): dx = dy @ w (a `Partial` sum over the tensor-parallel ranks), dw = dy^T @ x, db = sum(dy)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gathered: GatheredOutput, specs: dict):
+    def forward(ctx, x, weight, bias, gathered: Optional[GatheredOutput], specs: dict):
         local = _torch_compat.dtensor_local
-        x_local, w = local(x), local(weight)
-        gathered.taken()
+        x_local, w = ops._ready(local(x)), local(weight)
         ctx.gathered, ctx.specs, ctx.x_meta = gathered, specs, (x.shape, x.stride(), x.dtype, x_local.shape)
         ctx.param_meta = [(p.shape, p.stride()) if p is not None else None for p in (weight, bias)]
-        ctx.seen = _fingerprint(x_local)
-        ctx.save_for_backward(w)
+        if gathered is not None:
+            gathered.taken()
+            ctx.seen = _fingerprint(x_local)
+            ctx.save_for_backward(w)
+        else:
+            ctx.save_for_backward(w, x_local)
         y = F.linear(x_local, w, local(bias) if bias is not None else None)
-        spec = cached_spec(specs, "y", weight.device_mesh, (Shard(y.dim() - 1),), (*x.shape[:-1], weight.shape[0]),
-                           y.stride(), y.dtype)
+        shape = (*x.shape[:-1], weight.shape[0])
+        spec = cached_spec(specs, "y", weight.device_mesh, (Shard(y.dim() - 1),), shape, _contiguous_strides(shape),
+                           y.dtype)
         return _torch_compat.dtensor_with_spec(y, spec)
 
     @staticmethod
     def backward(ctx, dy):
         gathered, specs = ctx.gathered, ctx.specs
-        (w,) = ctx.saved_tensors
-        mesh = gathered.spec[0]
+        saved = ctx.saved_tensors
+        w = saved[0]
+        mesh = dy.device_mesh
         if dy.placements[0] != Shard(dy.dim() - 1):
             dy = dy.redistribute(placements=(Shard(dy.dim() - 1),))
-        gathered.start()
+        if gathered is not None:
+            gathered.start()
         dy_local = _torch_compat.dtensor_local(dy)
         dy2 = dy_local.reshape(-1, dy_local.shape[-1])
         dx = None
@@ -136,7 +142,7 @@ class _RegatherLinear(torch.autograd.Function):
             shape, stride, dtype, local_shape = ctx.x_meta
             dx = _torch_compat.dtensor_with_spec(dy2.mm(w).view(local_shape),
                                                  cached_spec(specs, "dx", mesh, (Partial(),), shape, stride, dtype))
-        x = gathered.take(ctx.seen)
+        x = gathered.take(ctx.seen) if gathered is not None else saved[1]
         (w_shape, w_stride), b_meta = ctx.param_meta
         dw = db = None
         if ctx.needs_input_grad[1]:
@@ -149,14 +155,44 @@ class _RegatherLinear(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _local_path(x, weight, bias) -> bool:
+    """Whether `_RegatherLinear` computes this call as DTensor's own linear would: x a `Replicate` DTensor and the
+    parameters `Shard(0)` DTensors on one 1-D mesh, with plain local tensors (a pending collective's result is
+    waited for), no autocast (its casts are the dispatcher's) and no dispatch mode (which would see the local ops
+    instead of DTensor's)."""
+    if type(x) is not DTensor or type(weight) is not DTensor or x.placements != _REPLICATE \
+            or weight.placements != _SHARD0 or x.device_mesh.ndim != 1 \
+            or x.device_mesh is not weight.device_mesh and x.device_mesh != weight.device_mesh:
+        return False
+    if bias is not None and (type(bias) is not DTensor or bias.placements != _SHARD0):
+        return False
+    if torch.is_autocast_enabled(x.device.type) or _torch_compat.dispatch_modes_active():
+        return False
+    return all(type(_torch_compat.dtensor_local(t)) in ops._PLAIN or ops._is_pending(_torch_compat.dtensor_local(t))
+               for t in (x, weight, bias) if t is not None)
+
+
+_REPLICATE, _SHARD0 = (Replicate(),), (Shard(0),)
+
+
 class RegatherLinear(nn.Linear):
-    """An `nn.Linear` parallelized by `RegatherColwiseParallel`: reading a keep_output=False norm's gathered output in
-    a forward with grads, it keeps the norm's handle instead of the input; otherwise it is torch's linear."""
+    """An `nn.Linear` parallelized by `RegatherColwiseParallel`: its forward runs on the local tensors
+    (`_RegatherLinear`), keeping a keep_output=False norm's handle instead of its gathered output; an input it does
+    not take that way (another layout, autocast, a dispatch mode, torch.compile) goes through torch's linear on
+    DTensors."""
 
     def forward(self, x: Tensor) -> Tensor:
-        gathered = None if torch.compiler.is_compiling() else getattr(x, _ATTR, None)
-        if gathered is None or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+        if torch.compiler.is_compiling() or not _local_path(x, self.weight, self.bias):
             return super().forward(x)
+        gathered = getattr(x, _ATTR, None) if torch.is_grad_enabled() else None
         specs = self.__dict__.get("_shardnorm_specs")
         if specs is None:
             specs = self.__dict__["_shardnorm_specs"] = {}
@@ -166,8 +202,10 @@ class RegatherLinear(nn.Linear):
 class RegatherColwiseParallel(ColwiseParallel):
     """torch's `ColwiseParallel`, for the linears that read a `SequenceParallelNorm(output_layouts=Replicate())`
     norm's output. With the norm's `keep_output=False` they keep only the norm's shard for their backward and
-    gather it again there (module docstring); with `keep_output=True`, or any other input, they are torch's
-    `ColwiseParallel` exactly. Takes `nn.Linear` modules (their class becomes `RegatherLinear`, a subclass)."""
+    gather it again there (module docstring); otherwise they save their input as torch's do. Either way the forward
+    and backward run on the local tensors with the ops and layouts of torch's linear (outputs and grads bitwise
+    torch's `ColwiseParallel`'s) without DTensor's dispatch, which costs an eager sublayer's host most of its time.
+    Takes `nn.Linear` modules (their class becomes `RegatherLinear`, a subclass)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         # torch's ParallelStyle extension point (parallelize_module calls it); see shardnorm._torch_compat
