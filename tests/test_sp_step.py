@@ -33,4 +33,4 @@ def test_block_stack_variants_and_summary(tmp_path):
                              env=env, text=True, capture_output=True, timeout=1800)
     assert summary.returncode == 0, summary.stderr[-3000:]
     table = (tmp_path / "sp_step.md").read_text()
-    assert "| eager | 2 | shardnorm / torch |" in table
+    assert "| eager_tp2 | shardnorm / torch |" in table

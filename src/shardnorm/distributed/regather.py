@@ -164,17 +164,16 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _local_path(x, weight, bias) -> bool:
-    """Whether `_RegatherLinear` computes this call as DTensor's own linear would: x a `Replicate` DTensor and the
-    parameters `Shard(0)` DTensors on one 1-D mesh, with plain local tensors (a pending collective's result is
-    waited for), no autocast (its casts are the dispatcher's) and no dispatch mode (which would see the local ops
-    instead of DTensor's)."""
+    """Whether `_RegatherLinear` takes an input that is no keep_output=False norm's gathered output: x a `Replicate`
+    DTensor and the parameters `Shard(0)` DTensors on one 1-D mesh, with plain local tensors (a pending collective's
+    result is waited for), and no dispatch mode (which expects DTensor's ops, and would see the local ones)."""
     if type(x) is not DTensor or type(weight) is not DTensor or x.placements != _REPLICATE \
             or weight.placements != _SHARD0 or x.device_mesh.ndim != 1 \
             or x.device_mesh is not weight.device_mesh and x.device_mesh != weight.device_mesh:
         return False
     if bias is not None and (type(bias) is not DTensor or bias.placements != _SHARD0):
         return False
-    if torch.is_autocast_enabled(x.device.type) or _torch_compat.dispatch_modes_active():
+    if _torch_compat.dispatch_modes_active():
         return False
     return all(type(_torch_compat.dtensor_local(t)) in ops._PLAIN or ops._is_pending(_torch_compat.dtensor_local(t))
                for t in (x, weight, bias) if t is not None)
@@ -185,14 +184,17 @@ _REPLICATE, _SHARD0 = (Replicate(),), (Shard(0),)
 
 class RegatherLinear(nn.Linear):
     """An `nn.Linear` parallelized by `RegatherColwiseParallel`: its forward runs on the local tensors
-    (`_RegatherLinear`), keeping a keep_output=False norm's handle instead of its gathered output; an input it does
-    not take that way (another layout, autocast, a dispatch mode, torch.compile) goes through torch's linear on
-    DTensors."""
+    (`_RegatherLinear`), keeping a keep_output=False norm's handle instead of its gathered output (under a dispatch
+    mode too); other inputs it takes that way where `_local_path` holds. Autocast and torch.compile go through
+    torch's linear on DTensors."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling() or not _local_path(x, self.weight, self.bias):
+        # under autocast the casts are the dispatcher's, on DTensors
+        if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
         gathered = getattr(x, _ATTR, None) if torch.is_grad_enabled() else None
+        if gathered is None and not _local_path(x, self.weight, self.bias):
+            return super().forward(x)
         specs = self.__dict__.get("_shardnorm_specs")
         if specs is None:
             specs = self.__dict__["_shardnorm_specs"] = {}
