@@ -871,10 +871,10 @@ def test_output_written_behind_autograd_raises(device):
     kept(x).sum().backward()  # the option off: the consumers saved the written output itself
 
 
-def test_device_checks_raise_once_their_copy_lands(monkeypatch):
+def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     """The order in which a GPU backward's checks are read (`output_recompute.check_flag`), with events standing in
-    for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, and
-    the end of a backward waits for every earlier backward's copy."""
+    for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, the
+    end of a backward waits for every earlier backward's copy, and what is unread at exit is reported then."""
 
     class Event:
         def __init__(self, landed):
@@ -901,3 +901,10 @@ def test_device_checks_raise_once_their_copy_lands(monkeypatch):
     with pytest.raises(KeepOutputError, match="flag 0"):
         output_recompute._check_pending(-7)  # a backward's end with no flags of its own waits for the earlier ones
     assert unread == []
+    unread.extend([record(False, False), record(False, False, True)])  # the last backward's, unread at exit
+    output_recompute._report_unread()
+    assert unread == []
+    assert "read at exit: KeepOutputError: flag 1" in capsys.readouterr().err
+    unread.append(record(False, False))
+    output_recompute._report_unread()
+    assert capsys.readouterr().err == ""

@@ -27,10 +27,12 @@ activation checkpoint that recomputes its forward op instead (`compiled_norm`), 
 gives the compiled graph the same saving (without a residual).
 """
 
+import atexit
+import sys
 import threading
 import warnings
 import weakref
-from functools import partial
+from functools import cache, partial
 from typing import Callable, Optional
 
 import torch
@@ -455,7 +457,8 @@ def check_flag(flag: Tensor, error) -> None:
     has landed: at the end of that backward if the GPU is done with it, else at the next forward of a
     keep_output=False norm or, at the latest, at the end of the next backward, which waits for it. Reading them
     at the end of their own backward would drain the GPU's queue once per micro-batch: the next forward's launches
-    could no longer run ahead of the GPU."""
+    could no longer run ahead of the GPU. Flags still unread when the process exits are read then and a set one
+    reported on stderr (the last backward of a run)."""
     task = _torch_compat.current_graph_task_id()
     if flag.device.type == "cpu" or task == -1:
         if flag.item():
@@ -486,9 +489,30 @@ def _check_pending(task: int) -> None:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(flags.device))
             earlier.append((event, host, errors))
+            _read_at_exit()
         else:  # another device: one blocking read
             _raise_set(flags.tolist(), errors)
     _raise_arrived(earlier)
+
+
+@cache
+def _read_at_exit() -> None:
+    """Read the flags still on their way when the process exits (the last backward's, with no backward or
+    keep_output=False forward after it), reporting a set one on stderr; registered with the first such copy."""
+    atexit.register(_report_unread)
+
+
+def _report_unread() -> None:
+    with _pending_lock:
+        records = _unread[:]
+        _unread.clear()
+    for event, host, errors in records:
+        event.synchronize()
+        for set_, error in zip(host.tolist(), errors):
+            if set_:
+                sys.stderr.write(f"shardnorm: the last backward's keep_output=False check, read at exit: "
+                                 f"{type(error()).__name__}: {error()}\n")
+                return
 
 
 def check_arrived() -> None:
