@@ -155,8 +155,9 @@ def _covered(interval, others) -> float:
 
 
 def trace_step(model, variant, batches, opt, out, name, keep: bool) -> dict:
-    """One step under torch's profiler (GPU kernels): how much of the step's collective kernel time no compute kernel
-    overlaps (exposed), by the kernels' own timestamps; with `keep` the trace goes to `out/name.json.gz`."""
+    """One step under torch's profiler: how much of the step's collective kernel time no compute kernel overlaps
+    (exposed), by the kernels' own timestamps; with `keep` the trace goes to `out/name.json.gz`, the host's ops and
+    launches beside the GPU's kernels (what the host was doing while the GPU waited)."""
     import gzip
     import json
 
@@ -164,7 +165,8 @@ def trace_step(model, variant, batches, opt, out, name, keep: bool) -> dict:
 
     common.Path(out).mkdir(parents=True, exist_ok=True)
     _sync()
-    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
         step(model, variant, batches, opt)
         _sync()
     path = common.Path(out) / f"{name}.json"
