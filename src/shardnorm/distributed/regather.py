@@ -121,8 +121,10 @@ class _RegatherLinear(torch.autograd.Function):
             ctx.save_for_backward(w, x_local)
         y = F.linear(x_local, w, local(bias) if bias is not None else None)
         shape = (*x.shape[:-1], weight.shape[0])
-        spec = cached_spec(specs, "y", weight.device_mesh, (Shard(y.dim() - 1),), shape, _contiguous_strides(shape),
-                           y.dtype)
+        spec = specs.get(("y", shape, y.dtype))  # y is contiguous: its global stride follows from its shape
+        if spec is None:
+            spec = specs[("y", shape, y.dtype)] = cached_spec(specs, "y", weight.device_mesh, (Shard(y.dim() - 1),),
+                                                              shape, _contiguous_strides(shape), y.dtype)
         return _torch_compat.dtensor_with_spec(y, spec)
 
     @staticmethod
