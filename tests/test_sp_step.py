@@ -1,6 +1,6 @@
 """`benchmarks/sp_step.py` runs (2 gloo ranks, a tiny block stack): each variant's rounds and memory are recorded, the
 shardnorm variants' first-step losses are bitwise equal (`keep_output=False` recomputes, bitwise), torch's agree to
-bf16 rounding, and `--summary` renders the table of the runs in a folder."""
+bf16 rounding, `--trace` profiles a step per variant, and `--summary` renders the table of the runs in a folder."""
 
 import json
 import os
@@ -18,7 +18,7 @@ def test_block_stack_variants_and_summary(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
                           "benchmarks.sp_step", "--device", "cpu", "--out", str(tmp_path), "--dim", "64", "--ffn", "96",
-                          "--seq", "32", "--layers", "2", "--rounds", "2", "--steps", "1", "--warmup", "0"],
+                          "--seq", "32", "--layers", "2", "--rounds", "2", "--steps", "1", "--warmup", "0", "--trace"],
                          cwd=ROOT, env=env, text=True, capture_output=True,
                          timeout=1800)  # a hang, not speed: a busy machine may be slow
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -34,3 +34,19 @@ def test_block_stack_variants_and_summary(tmp_path):
     assert summary.returncode == 0, summary.stderr[-3000:]
     table = (tmp_path / "sp_step.md").read_text()
     assert "| eager_tp2 | shardnorm / torch |" in table
+    # one profiled step per variant (no GPU kernels on a CPU), rank 0's trace kept
+    assert set(result["trace"]) == {"torch", "shardnorm", "shardnorm_discard"}
+    assert len(list(tmp_path.glob("sp_step_trace_eager_tp2_*_rank0.json.gz"))) == 3
+    assert not list(tmp_path.glob("*rank1*"))
+
+
+def test_exposed_time_is_the_part_no_interval_covers():
+    """`sp_step._covered`, behind the traces' exposed collective time: the length of an interval covered by the union
+    of sorted, possibly overlapping intervals."""
+    from benchmarks.sp_step import _covered
+
+    others = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 7.0), (9.0, 10.0)]
+    assert _covered((2.5, 8.0), others) == 0.5 + 2.0  # 2.5-3 and 5-7
+    assert _covered((3.0, 5.0), others) == 0.0
+    assert _covered((0.5, 10.0), others) == 2.5 + 2.0 + 1.0
+    assert _covered((4.0, 4.5), []) == 0.0
