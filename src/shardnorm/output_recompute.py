@@ -483,8 +483,7 @@ def _check_pending(task: int) -> None:
     """At the end of a backward: start its flags' copy to the host, and raise for what earlier copies brought."""
     with _pending_lock:
         pending = _pending_checks.pop(task, [])
-        earlier = _unread[:]
-        _unread.clear()
+    earlier = _take_unread()
     for event, _, _ in earlier:
         event.synchronize()
     if pending:
@@ -510,26 +509,28 @@ def _read_at_exit() -> None:
 
 
 def _report_unread() -> None:
+    for event, host, errors in _take_unread():
+        event.synchronize()
+        try:
+            _raise_set(host.tolist(), errors)
+        except KeepOutputError as error:
+            sys.stderr.write(f"shardnorm: the last backward's keep_output=False check, read at exit: "
+                             f"{type(error).__name__}: {error}\n")
+            return
+
+
+def _take_unread() -> list:
     with _pending_lock:
         records = _unread[:]
         _unread.clear()
-    for event, host, errors in records:
-        event.synchronize()
-        for set_, error in zip(host.tolist(), errors):
-            if set_:
-                sys.stderr.write(f"shardnorm: the last backward's keep_output=False check, read at exit: "
-                                 f"{type(error()).__name__}: {error()}\n")
-                return
+    return records
 
 
 def check_arrived() -> None:
     """Raise for the flags of ended backwards whose copy to the host has landed, without waiting for the others
     (a keep_output=False norm's forward calls it)."""
     if _unread:
-        with _pending_lock:
-            records = _unread[:]
-            _unread.clear()
-        _raise_arrived(records)
+        _raise_arrived(_take_unread())
 
 
 def _raise_arrived(records: list) -> None:

@@ -47,7 +47,8 @@ def cached_spec(cache: dict, kind, mesh, placements: tuple, shape, stride, dtype
     """The DTensorSpec of a local tensor laid out by (mesh, placements, shape, stride, dtype), built once and kept in
     `cache` by `kind` (the caller's key for the placements, cheaper to hash than them) with shape, stride and dtype:
     wrapping with a cached spec (`_torch_compat.dtensor_with_spec`) skips the spec `DTensor.from_local` builds and
-    checks on every call (~15 us on a CPU)."""
+    checks on every call (~15 us on a CPU). `stride` None: the global tensor is contiguous, its stride derived from
+    `shape` when the spec is built."""
     key = (kind, shape, stride, dtype)
     spec = cache.get(key)
     if spec is None:
@@ -55,5 +56,15 @@ def cached_spec(cache: dict, kind, mesh, placements: tuple, shape, stride, dtype
 
         if len(cache) >= SPECS_KEPT:
             cache.clear()
+        if stride is None:
+            stride = _contiguous_strides(shape)
         spec = cache[key] = dtensor_spec(mesh, placements, shape, stride, dtype)
     return spec
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -120,11 +120,8 @@ class _RegatherLinear(torch.autograd.Function):
         else:
             ctx.save_for_backward(w, x_local)
         y = F.linear(x_local, w, local(bias) if bias is not None else None)
-        shape = (*x.shape[:-1], weight.shape[0])
-        spec = specs.get(("y", shape, y.dtype))  # y is contiguous: its global stride follows from its shape
-        if spec is None:
-            spec = specs[("y", shape, y.dtype)] = cached_spec(specs, "y", weight.device_mesh, (Shard(y.dim() - 1),),
-                                                              shape, _contiguous_strides(shape), y.dtype)
+        spec = cached_spec(specs, "y", weight.device_mesh, (Shard(y.dim() - 1),), (*x.shape[:-1], weight.shape[0]),
+                           None, y.dtype)  # y is contiguous: its global stride follows from its shape
         return _torch_compat.dtensor_with_spec(y, spec)
 
     @staticmethod
@@ -155,14 +152,6 @@ class _RegatherLinear(torch.autograd.Function):
             db = dy2.sum(0)
             db = _torch_compat.dtensor_with_spec(db, cached_spec(specs, "db", mesh, (Shard(0),), *b_meta, db.dtype))
         return dx, dw, db, None, None
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _local_path(x, weight, bias) -> bool:

@@ -255,7 +255,7 @@ class _BwdPlan:
             return self.portable()(dy, dz, src, weight, mean, rstd)  # (no rows: zero partials there)
         dx = torch.empty_like(src)  # src is [M, N] with unit column stride: dense means contiguous
         num_grads = self.num_grads
-        partial_rows, dx_tiles, direct = self.grids.get(M) or config.per_m(self.grids, M, self._grid)
+        partial_rows, dx_tiles, direct = config.per_m(self.grids, M, self._grid)
         # dgamma, dbeta: separate tensors (an op's outputs may not alias); src.new_empty: no torch.device per call
         dweight = src.new_empty(N, dtype=self.grad_dtype) if weight is not None else None
         dbias = src.new_empty(N, dtype=self.grad_dtype) if self.has_bias else None

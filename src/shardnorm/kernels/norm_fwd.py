@@ -266,7 +266,7 @@ class _FwdPlan:
         if M and self.staged is not None and config.staged_rows(x) and _stageable_params(weight, bias):
             self.staged((min(M, self.sms),), x, weight, bias, y, mean, rstd, x.stride()[0], M, N, eps)
         elif M:
-            programs = self.programs.get(M) or config.per_m(self.programs, M, self._programs)
+            programs = config.per_m(self.programs, M, self._programs)
             self.kernel((programs,), x, residual, weight, bias, y, z, mean, rstd, x.stride()[0],
                         residual.stride()[0] if residual is not None else 0, M, N, eps)
         return y, z, mean, rstd
