@@ -17,7 +17,10 @@ job does it: `torch_sp`, torch's `nn.RMSNorm` under `SequenceParallel` (with a r
 DTensor add included); `shardnorm_sp`, shardnorm's `RMSNorm` under `SequenceParallelNorm` without a reducer (the
 weight grad comes back `Partial`, as under the main job's FSDP2; the residual add fused); `shardnorm_sp_reducer`,
 the same with `attach_reducer`, inside `shardnorm.accumulate`: the reducer's per-call cost without its
-once-per-step all-reduce. No collective runs in the timed calls, so the ranks time independently.
+once-per-step all-reduce. `rms_gather` rows: the output all-gathered for column-parallel consumers (torch's norm
+then DTensor's redistribute, as `PrepareModuleInput` does it; shardnorm's `SequenceParallelNorm(output_layouts=
+Replicate())`, its gather on the local tensors), and in backward the consumers' `Partial` grad reduce-scattered;
+every rank runs the same calls in the same order. Other rows run no collective in the timed calls.
 
 Host time of one call: time.perf_counter around CALLS calls queued back to back (a sync before and after, none
 inside), the median of ROUNDS rounds, the best of 3 such medians; forward, and forward+backward (`y.backward(dy)`).
@@ -154,8 +157,11 @@ class _AddNorm(torch.nn.Module):
         return self.norm(x + residual)
 
 
-def dtensor_providers(n: int, mesh, device, dtype, residual: bool) -> tuple:
-    """({provider: fn(x, residual)}, the module whose grads go to the reducer)."""
+def dtensor_providers(n: int, mesh, device, dtype, residual: bool, gather: bool = False) -> tuple:
+    """({provider: fn(x, residual)}, the module whose grads go to the reducer). `gather`: the output all-gathered for
+    column-parallel consumers (torch's `PrepareModuleInput` redistribute after its norm; shardnorm's
+    `SequenceParallelNorm(output_layouts=Replicate())`)."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     from shardnorm.distributed import SequenceParallelNorm, attach_reducer
@@ -169,9 +175,14 @@ def dtensor_providers(n: int, mesh, device, dtype, residual: bool) -> tuple:
             attach_reducer(norm)
         return norm
 
+    layouts = {"output_layouts": Replicate()} if gather else {}
     theirs = make(torch.nn.RMSNorm, SequenceParallel())
-    ours = make(shardnorm.RMSNorm, SequenceParallelNorm())
-    routed = make(shardnorm.RMSNorm, SequenceParallelNorm(), reducer=True)
+    ours = make(shardnorm.RMSNorm, SequenceParallelNorm(**layouts))
+    routed = make(shardnorm.RMSNorm, SequenceParallelNorm(**layouts), reducer=True)
+    if gather:
+        replicate = (Replicate(),)
+        return {"torch_sp": lambda x, r: theirs(x).redistribute(placements=replicate),
+                "shardnorm_sp": lambda x, r: ours(x), "shardnorm_sp_reducer": lambda x, r: routed(x)}, routed
     if residual:
         add = _AddNorm(theirs)
         return {"torch_sp": lambda x, r: add(x, r), "shardnorm_sp": lambda x, r: ours(x, r)[0],
@@ -181,8 +192,9 @@ def dtensor_providers(n: int, mesh, device, dtype, residual: bool) -> tuple:
 
 
 def dtensor_cases(shapes, mesh, device, dtype):
-    """(row fields, {provider: fn(x, residual)}, inputs, dy, context) per shape, without and with a residual."""
-    from torch.distributed.tensor import DTensor, Shard
+    """(row fields, {provider: fn(x, residual)}, inputs, dy, context) per shape: without and with a residual, and the
+    output all-gathered (its grad a `Partial` sum, as column-parallel consumers give it)."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
 
     world, rank = mesh.size(), mesh.get_local_rank()
     gen = torch.Generator(device).manual_seed(1234 + rank)
@@ -194,11 +206,14 @@ def dtensor_cases(shapes, mesh, device, dtype):
             local = torch.randn(b, s // world, n, device=device, dtype=dtype, generator=gen)
             return DTensor.from_local(local.requires_grad_(requires_grad), mesh, [Shard(1)], run_check=False)
 
-        for residual in (False, True):
+        for residual, gather in ((False, False), (True, False), (False, True)):
             x, r, dy = shard(True), shard(True) if residual else None, shard()
-            fns, routed = dtensor_providers(n, mesh, device, dtype, residual)
-            fields = {"norm": "add_rms" if residual else "rms", "b": b, "s": s, "n": n, "local_rows": b * s // world,
-                      "shape": f"{b} x {s} x {n} ({b * s // world})"}
+            if gather:
+                dy = DTensor.from_local(torch.randn(b, s, n, device=device, dtype=dtype, generator=gen), mesh,
+                                        [Partial()], run_check=False)
+            fns, routed = dtensor_providers(n, mesh, device, dtype, residual, gather)
+            fields = {"norm": "add_rms" if residual else "rms_gather" if gather else "rms", "b": b, "s": s, "n": n,
+                      "local_rows": b * s // world, "shape": f"{b} x {s} x {n} ({b * s // world})"}
             yield fields, fns, (x, r), dy, shardnorm.accumulate(routed)
 
 

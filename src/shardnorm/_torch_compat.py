@@ -378,3 +378,9 @@ def collective_result(t: torch.Tensor) -> torch.Tensor:
     """`t`, a functional collective's output, once the collective has written it (on a GPU: the current stream waits
     for it; the host does not)."""
     return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def reduce_scatter_start(input: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group of every rank's `input`, each rank keeping its chunk of dim 0: the functional
+    collective op (as `all_gather_start`), launched and not waited for; `collective_result` waits."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor(input, "sum", group.size(), group.group_name)

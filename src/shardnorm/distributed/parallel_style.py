@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from shardnorm import output_recompute
 from shardnorm.distributed import regather
 from shardnorm.distributed.grad_sources import GROUP_ATTR
+from shardnorm.distributed.sequence_gather import gather_sequence
 
 
 class SequenceParallelNorm(ParallelStyle):
@@ -105,7 +106,10 @@ class SequenceParallelNorm(ParallelStyle):
             return y
 
         def transform(t: DTensor):
-            t = t.redistribute(placements=placements) if tuple(t.placements) != placements else t
+            if placements == _REPLICATE and tuple(t.placements) != placements:
+                t = gather_sequence(t, module)
+            elif tuple(t.placements) != placements:
+                t = t.redistribute(placements=placements)
             return t.to_local() if self.use_local_output else t
 
         if getattr(module, "keep_output", True):
@@ -124,6 +128,9 @@ class SequenceParallelNorm(ParallelStyle):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "
                 f"output_layouts={self.output_layouts[0]}, use_local_output={self.use_local_output})")
+
+
+_REPLICATE = (Replicate(),)
 
 
 def _warn_consumers_gather(module: nn.Module) -> None:
