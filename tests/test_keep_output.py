@@ -19,7 +19,7 @@ H = 32
 
 
 def read_checks(forward) -> None:
-    """After a backward: on a GPU its checks reach the host asynchronously (`output_recompute.check_flag`); let the
+    """After a backward: on a GPU its checks reach the host asynchronously (`output_recompute.check_equal`); let the
     copy land, then run `forward` (a keep_output=False norm's), which reads what arrived."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -872,7 +872,7 @@ def test_output_written_behind_autograd_raises(device):
 
 
 def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
-    """The order in which a GPU backward's checks are read (`output_recompute.check_flag`), with events standing in
+    """The order in which a GPU backward's checks are read (`output_recompute.check_equal`), with events standing in
     for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, the
     end of a backward waits for every earlier backward's copy, and what is unread at exit is reported then."""
 
@@ -908,3 +908,23 @@ def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     unread.append(record(False, False))
     output_recompute._report_unread()
     assert capsys.readouterr().err == ""
+
+
+def test_backward_comparisons_made_together_keep_their_errors():
+    """A GPU backward's checks are compared at its end, those of one shape and dtype in one kernel
+    (`output_recompute._compare`): each flag still answers for its own comparison and error, whatever the order."""
+    g = torch.Generator().manual_seed(3)
+    pending, expected = [], []
+    for i, shape in enumerate([(), (5,), (), (7,), (5,), ()]):
+        a = torch.randn(shape, generator=g)
+        differs = i in (1, 2)
+        b = a.clone()
+        if differs:
+            b.view(-1)[-1] += 1e-6 * (1 + b.view(-1)[-1].abs())
+        pending.append((a, b, lambda i=i: KeepOutputError(f"check {i}")))
+        expected.append(differs)
+    flags, errors = output_recompute._compare(pending)
+    assert flags.dtype == torch.bool and flags.shape == (len(pending),)
+    assert sorted(str(e()) for f, e in zip(flags.tolist(), errors) if f) == ["check 1", "check 2"]
+    assert sorted(str(e()) for f, e in zip(flags.tolist(), errors) if not f) == \
+        sorted(f"check {i}" for i, d in enumerate(expected) if not d)

@@ -20,7 +20,7 @@ backward recomputes the output with the same kernel on the same input, the other
 never touched: y's memory goes when nothing holds it any more, and stays, correct, where something does. An input
 changed in place (version counter) or through `.data` (the recompute's statistics against the forward's, bitwise),
 or an output written behind autograd before a consumer saved it (an fp32 sum), raises `KeepOutputError`; on a
-GPU a backward's flags go to the host in one asynchronous copy, read once it has landed (`check_flag`).
+GPU a backward's flags go to the host in one asynchronous copy, read once it has landed (`check_equal`).
 
 Under torch.compile the hooks step aside; a norm with keep_output=False is traced inside a selective
 activation checkpoint that recomputes its forward op instead (`compiled_norm`), so AOTAutograd's partitioner
@@ -313,8 +313,7 @@ class _Saved:
             recomputed = sums.get(self.view)
             if recomputed is None:
                 recomputed = sums[self.view] = _fingerprint(out)
-            flag = torch.ne(recomputed, self.fingerprint)
-        check_flag(flag, changed_output_error)
+        check_equal(recomputed, self.fingerprint, changed_output_error)
         return out
 
     def _view(self, base: Tensor) -> Tensor:
@@ -443,32 +442,33 @@ class _Remake:
         return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
 
 
-_pending_checks: dict = {}  # graph task id -> [(flag, error)]: the device flags of one backward's recomputes
+_pending_checks: dict = {}  # graph task id -> [(a, b, error)]: the comparisons of one backward's recomputes
 _unread: list = []  # [(event, host flags, errors)]: ended backwards' flags, on their way to the host
 _pending_lock = threading.Lock()  # a backward's nodes run on device threads; its end callback on another
 
 
 def _check_statistics(remake: _Remake, stats: tuple) -> None:
     """The recompute's statistics against the forward's, bitwise: a changed input the version counter did not see
-    (written through `.data`) changes them. On the host the check is immediate; on a device the flags gather
-    until the end of the backward (`check_flag`), so a norm's recompute costs no device-to-host read of its own."""
-    flags = [torch.ne(new, old).any() for new, old in zip(stats, remake.stats) if new is not None and new.numel()]
-    if flags:
-        name = remake.name()
-        check_flag(flags[0] if len(flags) == 1 else flags[0] | flags[1], lambda: _changed_input(name))
+    (written through `.data`) changes them. On the host the check is immediate; on a device the comparisons gather
+    until the end of the backward (`check_equal`), so a norm's recompute costs no device-to-host read of its own."""
+    name = remake.name()
+    for new, old in zip(stats, remake.stats):
+        if new is not None and new.numel():
+            check_equal(new, old, lambda: _changed_input(name))
 
 
-def check_flag(flag: Tensor, error) -> None:
-    """Raise `error()` if the 0-dim bool `flag` is set: at once on the host; on a CUDA device without waiting for
-    it. A backward's flags are copied to the host in one asynchronous copy at its end and read as soon as the copy
-    has landed: at the end of that backward if the GPU is done with it, else at the next forward of a
-    keep_output=False norm or, at the latest, at the end of the next backward, which waits for it. Reading them
-    at the end of their own backward would drain the GPU's queue once per micro-batch: the next forward's launches
-    could no longer run ahead of the GPU. Flags still unread when the process exits are read then and a set one
-    reported on stderr (the last backward of a run)."""
+def check_equal(a: Tensor, b: Tensor, error) -> None:
+    """Raise `error()` if `a` and `b` (same shape and dtype) differ anywhere: at once on the host; on a CUDA device
+    without waiting. A backward's comparisons are made at its end, those of one shape together (one kernel for all
+    its norms' statistics, one for all its fingerprints), and their flags copied to the host in one asynchronous
+    copy, read as soon as it has landed: at the end of that backward if the GPU is done with it, else at the next
+    forward of a keep_output=False norm or, at the latest, at the end of the next backward, which waits for it.
+    Reading them at the end of their own backward would drain the GPU's queue once per micro-batch: the next
+    forward's launches could no longer run ahead of the GPU. Flags still unread when the process exits are read
+    then and a set one reported on stderr (the last backward of a run)."""
     task = _torch_compat.current_graph_task_id()
-    if flag.device.type == "cpu" or task == -1:
-        if flag.item():
+    if a.device.type == "cpu" or task == -1:
+        if torch.ne(a, b).any().item():
             raise error()
         return
     with _pending_lock:
@@ -476,19 +476,33 @@ def check_flag(flag: Tensor, error) -> None:
         if pending is None:
             pending = _pending_checks[task] = []
             _torch_compat.queue_backward_callback(lambda: _check_pending(task))
-        pending.append((flag, error))
+        pending.append((a, b, error))
+
+
+def _compare(pending: list) -> tuple[Tensor, list]:
+    """(one flag per comparison of `pending`, set where it differs; their errors in the flags' order): the
+    comparisons of one shape and dtype stacked, one kernel each."""
+    groups: dict = {}
+    for a, b, error in pending:
+        groups.setdefault((a.shape, a.dtype), []).append((a, b, error))
+    flags, errors = [], []
+    for same in groups.values():
+        differ = torch.ne(torch.stack([a for a, _, _ in same]), torch.stack([b for _, b, _ in same]))
+        flags.append(differ.flatten(1).any(1) if differ.dim() > 1 else differ)
+        errors += [error for _, _, error in same]
+    return (flags[0] if len(flags) == 1 else torch.cat(flags)), errors
 
 
 def _check_pending(task: int) -> None:
-    """At the end of a backward: start its flags' copy to the host, and raise for what earlier copies brought."""
+    """At the end of a backward: make its comparisons, start their flags' copy to the host, and raise for what
+    earlier copies brought."""
     with _pending_lock:
         pending = _pending_checks.pop(task, [])
     earlier = _take_unread()
     for event, _, _ in earlier:
         event.synchronize()
     if pending:
-        flags = torch.stack([flag for flag, _ in pending])
-        errors = [error for _, error in pending]
+        flags, errors = _compare(pending)
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)

@@ -12,7 +12,7 @@ consumers own their saves, and a model without such consumers runs as torch runs
 Checked, not assumed: the norm's input changed after the forward (version counter, or the recompute's statistics
 against the forward's), and the gathered output written behind autograd before a consumer read it (an fp32 sum of
 what each consumer read against the re-gathered copy's); either raises `KeepOutputError`
-(on a GPU as soon as the backward's flags reach the host: `output_recompute.check_flag`).
+(on a GPU as soon as the backward's flags reach the host: `output_recompute.check_equal`).
 
 Under torch.compile the consumers run torch's linear and a selective checkpoint recomputes the norm and the gather
 (`output_recompute.compiled_transform`): the partitioner keeps the same shard.
@@ -78,7 +78,7 @@ class GatheredOutput:
         value = self.value
         if self.fingerprint is None:
             self.fingerprint = _fingerprint(value)
-        output_recompute.check_flag(torch.ne(self.fingerprint, seen), output_recompute.changed_output_error)
+        output_recompute.check_equal(self.fingerprint, seen, output_recompute.changed_output_error)
         self.unread -= 1
         if self.unread <= 0:  # every consumer of this backward has it: nothing holds a copy between backwards
             self.value = self.fingerprint = None
