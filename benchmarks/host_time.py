@@ -20,7 +20,9 @@ the same with `attach_reducer`, inside `shardnorm.accumulate`: the reducer's per
 once-per-step all-reduce. `rms_gather` rows: the output all-gathered for column-parallel consumers (torch's norm
 then DTensor's redistribute, as `PrepareModuleInput` does it; shardnorm's `SequenceParallelNorm(output_layouts=
 Replicate())`, its gather on the local tensors), and in backward the consumers' `Partial` grad reduce-scattered;
-every rank runs the same calls in the same order. Other rows run no collective in the timed calls.
+every rank runs the same calls in the same order; `(all_gather)` / `(reduce_scatter)` rows (more than one rank): the
+collective alone, launched and waited for as the functional op and as the process group's own (`collective_rows`).
+Other rows run no collective in the timed calls.
 
 Host time of one call: time.perf_counter around CALLS calls queued back to back (a sync before and after, none
 inside), the median of ROUNDS rounds, the best of 3 such medians; forward, and forward+backward (`y.backward(dy)`).
@@ -270,6 +272,33 @@ def measure(cases, out: Path, profile: bool, main: bool) -> list[dict]:
     return rows
 
 
+def collective_rows(shapes, mesh, device, dtype) -> list[dict]:
+    """Host us per collective as the eager sequence-parallel gather launches it, waited for (no host sync): the
+    functional op (`torch.ops._c10d_functional`, what DTensor's redistribute calls) against the process group's own
+    (`_torch_compat.all_gather_start` / `reduce_scatter_start`); the sharded dim's rows as the norm gathers them."""
+    from shardnorm import _torch_compat
+
+    group, world = mesh.get_group(0), mesh.size()
+    ops_ = torch.ops._c10d_functional
+    rows = []
+    for b, s, n in shapes:
+        local = torch.randn(b * s // world, n, device=device, dtype=dtype)
+        full = torch.randn(b * s, n, device=device, dtype=dtype)
+        fns = {("all_gather", "functional"): lambda: ops_.wait_tensor(
+                   ops_.all_gather_into_tensor(local, world, group.group_name)),
+               ("all_gather", "process_group"): lambda: _torch_compat.collective_result(
+                   _torch_compat.all_gather_start(local, group)),
+               ("reduce_scatter", "functional"): lambda: ops_.wait_tensor(
+                   ops_.reduce_scatter_tensor(full, "sum", world, group.group_name)),
+               ("reduce_scatter", "process_group"): lambda: _torch_compat.collective_result(
+                   _torch_compat.reduce_scatter_start(full, group))}
+        us = host_us_interleaved(fns)
+        rows += [{"norm": f"({kind})", "shape": f"{b} x {s} x {n} ({b * s // world})", "provider": provider,
+                  "forward_us": us[kind, provider], "forward_backward_us": float("nan")}
+                 for kind, provider in fns]
+    return rows
+
+
 def write(out: Path, name: str, rows: list[dict], env: dict, title: str, shape_header: str) -> None:
     write_json(out / f"{name}.json", {"env": env, "rows": rows})
     lines = [f"{title}, {env['device']}, {env['dtype']}, torch {env['torch']}", "", f"Command: `{env['command']}`", ""]
@@ -414,6 +443,8 @@ def main(argv=None):
     main_rank = dist.get_rank() == 0
     rows = measure(dtensor_cases(args.shapes or DTENSOR_SHAPES[args.device], mesh, device, dtype), args.out,
                    args.profile, main_rank)
+    if mesh.size() > 1:
+        rows += collective_rows(args.shapes or DTENSOR_SHAPES[args.device], mesh, device, dtype)
     dist.barrier()
     if main_rank:
         env = {**environment(args.device, mesh.size()), "dtype": str(dtype), "world_size": mesh.size(),

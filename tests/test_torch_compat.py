@@ -270,7 +270,11 @@ def _dtensor_spec_and_wrap(rank, world_size):
 
         gathered = compat.collective_result(compat.all_gather_start(local, mesh.get_group()))
         assert gathered.shape == (world_size * 2, 3, 4) and torch.equal(gathered[2 * rank:2 * rank + 2], local), \
-            _gone("torch.ops._c10d_functional.all_gather_into_tensor / wait_tensor")
+            _gone("ProcessGroup._allgather_base")
+        summed = compat.collective_result(compat.reduce_scatter_start((rank + 1) * gathered, mesh.get_group()))
+        total = sum(range(1, world_size + 1))
+        assert summed.shape == local.shape and torch.equal(summed, total * local), \
+            _gone("ProcessGroup._reduce_scatter_base")
 
 
 @pytest.mark.distributed

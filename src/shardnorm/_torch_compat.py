@@ -40,9 +40,10 @@ DTensor: `DTensorSpec` / `TensorMeta`, the `DTensor(local, spec, requires_grad=)
   sequence-parallel norm wraps its local results with a cached spec (`DTensor.from_local` builds and validates a
   new spec per call: ~15 us of host time per output on a CPU).
 
-Functional collectives: `torch.ops._c10d_functional.all_gather_into_tensor` / `wait_tensor`, the
-  sequence-parallel consumers' re-gather (`distributed/regather.py`): launched in the backward before the dgrad
-  GEMM, waited for after it, with less host time than `torch.distributed`'s Python wrappers.
+Process-group collectives: `ProcessGroup._allgather_base` / `_reduce_scatter_base` and the `Work` they return, the
+  sequence-parallel norm's gather and its grad's reduce-scatter (`distributed/sequence_gather.py`) and the
+  consumers' re-gather (`distributed/regather.py`, launched in the backward before the dgrad GEMM, waited for after
+  it): the collective without the functional op's Python autograd wrapper or `torch.distributed`'s Python checks.
 
 Framework-specific internals stay in their adapter (DeepSpeed's AutoTP partition specs and flag:
 `shardnorm/integrations/deepspeed_autotp.py`); Triton's launch internals in `shardnorm/kernels/launch.py`.
@@ -367,20 +368,24 @@ def dtensor_local(t):
 
 # ---- collectives ---------------------------------------------------------------------------------------------
 
-def all_gather_start(input: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's `input` concatenated along dim 0, launched and not waited for: the functional collective op
-    itself (`torch.ops._c10d_functional`), ~2.5x less host time than `torch.distributed.all_gather_into_tensor` /
-    `all_gather_single` with `async_op=True` on a CPU. `collective_result` waits."""
-    return torch.ops._c10d_functional.all_gather_into_tensor(input, group.size(), group.group_name)
+def all_gather_start(input: torch.Tensor, group):
+    """Every rank's `input` concatenated along dim 0, launched and not waited for (`collective_result` waits): the
+    process group's own collective, which the functional op (`torch.ops._c10d_functional`) reaches through a Python
+    autograd wrapper that costs several times the launch (`benchmarks/host_time.py --collectives`)."""
+    output = input.new_empty((group.size() * input.shape[0], *input.shape[1:]))
+    return output, group._allgather_base(output, input)
 
 
-def collective_result(t: torch.Tensor) -> torch.Tensor:
-    """`t`, a functional collective's output, once the collective has written it (on a GPU: the current stream waits
-    for it; the host does not)."""
-    return torch.ops._c10d_functional.wait_tensor(t)
+def reduce_scatter_start(input: torch.Tensor, group):
+    """The sum over the group of every rank's `input`, each rank keeping its chunk of dim 0, launched and not waited
+    for (as `all_gather_start`)."""
+    output = input.new_empty((input.shape[0] // group.size(), *input.shape[1:]))
+    return output, group._reduce_scatter_base(output, input)
 
 
-def reduce_scatter_start(input: torch.Tensor, group) -> torch.Tensor:
-    """The sum over the group of every rank's `input`, each rank keeping its chunk of dim 0: the functional
-    collective op (as `all_gather_start`), launched and not waited for; `collective_result` waits."""
-    return torch.ops._c10d_functional.reduce_scatter_tensor(input, "sum", group.size(), group.group_name)
+def collective_result(started) -> torch.Tensor:
+    """The output of a collective from `all_gather_start` or `reduce_scatter_start`, once written (on a GPU: the
+    current stream waits for it; the host does not)."""
+    output, work = started
+    work.wait()
+    return output
