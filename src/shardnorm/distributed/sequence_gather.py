@@ -4,8 +4,8 @@ local tensors.
 `DTensor.redistribute` from `Shard(seq)` to `Replicate()` costs an eager sublayer's host several times what the
 collective's own launch does (its spec propagation, its autograd node and the reduce-scatter's redistribute in
 backward). `gather_sequence` runs the same collectives on the local tensors, with the layouts DTensor gives them
-(outputs and grads bitwise), where nothing needs DTensor's dispatch: eager, one 1-D mesh, shards even, no dispatch
-mode. Elsewhere, and under torch.compile (which traces the redistribute), it is the redistribute itself.
+(outputs and grads bitwise), where nothing needs DTensor's dispatch: eager, one 1-D mesh of more than one rank,
+shards even, no dispatch mode. Elsewhere, and under torch.compile (which traces the redistribute), it is the redistribute itself.
 """
 
 import torch
@@ -35,7 +35,7 @@ def gather_sequence(y: DTensor, owner: nn.Module) -> DTensor:
 
 
 def _local_path(y, world: int) -> bool:
-    if type(y) is not DTensor or y.device_mesh.ndim != 1:
+    if world == 1 or type(y) is not DTensor or y.device_mesh.ndim != 1:  # one rank: the redistribute gathers nothing
         return False
     placement = y.placements[0]
     if not isinstance(placement, Shard) or y.shape[placement.dim] % world:
