@@ -5,7 +5,8 @@ local tensors.
 collective's own launch does (its spec propagation, its autograd node and the reduce-scatter's redistribute in
 backward). `gather_sequence` runs the same collectives on the local tensors, with the layouts DTensor gives them
 (outputs and grads bitwise), where nothing needs DTensor's dispatch: eager, one 1-D mesh of more than one rank,
-shards even, no dispatch mode. Elsewhere, and under torch.compile (which traces the redistribute), it is the redistribute itself.
+shards even, no dispatch mode. Elsewhere, and under torch.compile (which traces the redistribute), it is the
+redistribute itself.
 """
 
 import torch
