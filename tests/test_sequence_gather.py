@@ -48,7 +48,11 @@ def _gathers(rank, world_size):
             mode = Passing() if grad_layout == "dispatch_mode" else None
             if mode is not None:
                 mode.__enter__()
-            out = sequence_gather.gather_sequence(y * 1, torch.nn.Module()) if lean else (y * 1).redistribute(placements=(Replicate(),))
+            h = y * 1
+            if lean:
+                out = sequence_gather.gather_sequence(h, torch.nn.Module())
+            else:
+                out = h.redistribute(placements=(Replicate(),))
             if mode is not None:
                 mode.__exit__(None, None, None)
             expect_local = lean and grad_layout != "dispatch_mode" and shape[dim] % world_size == 0
