@@ -928,3 +928,77 @@ def test_backward_comparisons_made_together_keep_their_errors():
     assert sorted(str(e()) for f, e in zip(flags.tolist(), errors) if f) == ["check 1", "check 2"]
     assert sorted(str(e()) for f, e in zip(flags.tolist(), errors) if not f) == \
         sorted(f"check {i}" for i, d in enumerate(expected) if not d)
+
+
+def test_linear_consumers_own_their_saves_after_the_first_forward(device):
+    """Once a forward under the model-wide hooks has shown that only linears save the norms' outputs, the model's
+    forward pushes no hooks of its own: each `RecomputingLinear` takes the handle around its own forward. The later
+    steps free the outputs as the first did, grads (a double backward's too) bitwise the option off's."""
+    tops = []
+
+    def record(module, args, output):  # which hooks would take a save made right after this norm
+        tops.append(_torch_compat.saved_tensors_hooks_top())
+
+    def run(keep):
+        torch.manual_seed(13)
+        model = Stack(keep)
+        _perturb(model, 13)
+        model = model.to(device)
+        outputs = _outputs_of(model)
+        model.blocks[0].norm1.register_forward_hook(record)
+        freed = []
+        for step in range(3):
+            x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_()
+            outputs.clear()
+            loss = model(x).square().mean()
+            freed.append(_released_count(outputs))
+            if step < 2:
+                loss.backward()
+            else:  # a double backward through the consumers' own hooks
+                (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+                gx.square().sum().backward()
+        return [p.grad for p in model.parameters()], freed, model
+
+    off, _, _ = run(True)
+    tops.clear()
+    on, freed, model = run(False)
+    assert all(torch.equal(u, v) for u, v in zip(off, on))
+    assert freed == [7, 7, 7]
+    assert tops[0] == (output_recompute._pack_model, output_recompute._unpack) and tops[1:] == [None, None]
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+
+
+def test_other_consumers_keep_the_model_wide_hooks(device):
+    """A norm output that an op other than a linear saves (here a product with a parameter): the model keeps its
+    model-wide hooks after the first forward, and every forward frees the output, grads bitwise the option off's."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, keep):
+            super().__init__()
+            torch.manual_seed(3)
+            self.norm, self.lin = shardnorm.RMSNorm(H, keep_output=keep), torch.nn.Linear(H, H)
+            self.scale = torch.nn.Parameter(torch.randn(H))
+            if not keep:
+                scoped(self)
+
+        def forward(self, x):
+            y = self.norm(x)
+            return self.lin(y) + y * self.scale
+
+    def run(keep):
+        model = Scaled(keep).to(device)
+        outputs = _outputs_of(model)
+        freed = []
+        for step in range(2):
+            x = torch.randn(4, H, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_()
+            outputs.clear()
+            loss = model(x).square().sum()
+            freed.append(_released_count(outputs))
+            loss.backward()
+        return [p.grad for p in model.parameters()], freed, model
+
+    off, _, _ = run(True)
+    on, freed, model = run(False)
+    assert all(torch.equal(u, v) for u, v in zip(off, on))
+    assert freed == [1, 1]
+    assert model.__dict__[output_recompute._SCOPE_ATTR].model_hooks is True
