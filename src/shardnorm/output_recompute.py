@@ -91,14 +91,12 @@ _SCOPE_ATTR = "_shardnorm_keep_output_scope"  # on a model handed to `scope`: it
 
 
 class _ModelScope:
-    """A model handed to `scope`: its norms, the handles of its two module hooks, and whether its forward needs the
-    model-wide hooks (`model_hooks`: None until a forward under them has shown it, then whether some consumer other
-    than a `RecomputingLinear` saved a tracked output)."""
+    """A model whose forward pushes the pack/unpack hooks: its norms, and the handles of its two module hooks."""
 
-    __slots__ = ("norms", "handles", "model_hooks")
+    __slots__ = ("norms", "handles")
 
     def __init__(self, norms: list):
-        self.norms, self.handles, self.model_hooks = norms, [], None
+        self.norms, self.handles = norms, []
 
     def needs_hooks(self) -> bool:
         """Some norm of the model discards its output and no sequence-parallel style owns what its consumers save
@@ -117,15 +115,11 @@ SP_OUTPUT_ATTR = "_shardnorm_sp_output"
 def scope(model: torch.nn.Module, norms) -> None:
     """Make `model`'s forward the scope of its norms' `keep_output=False`: while it runs, the consumers' saves of a
     discarding norm's output take a recompute handle (`convert` calls this on the model it is handed; calling it
-    again updates the norms). Hooks go on `model` only, and push nothing while every norm keeps its output; its
-    `nn.Linear` modules become `RecomputingLinear`s, which take the handle themselves."""
+    again updates the norms). Hooks go on `model` only, and push nothing while every norm keeps its output."""
     existing = model.__dict__.get(_SCOPE_ATTR)
     norms = list(norms)  # submodules of `model`: held as the model holds them (a deepcopy or pickle maps them)
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.__class__ = RecomputingLinear
     if existing is not None:
-        existing.norms, existing.model_hooks = norms, None
+        existing.norms = norms
         return
     state = _ModelScope(norms)
     state.handles.append(model.register_forward_pre_hook(partial(_enter, state)))
@@ -154,9 +148,7 @@ def counters(reset: bool = False) -> dict:
 
 class _Scope(threading.local):
     depth = 0
-    state = None  # the outermost scoped call's _ModelScope where its consumers' saves may take handles, else None
-    hooks = None  # the model-wide saved_tensors_hooks context pushed at that call, or None
-    outside = False  # the model-wide hooks packed a tracked output in this forward
+    hooks = None  # the saved_tensors_hooks context pushed at the outermost scoped call, or None
     root = None  # that call's model: a KeyboardInterrupt skips the forward hook that would pop the hooks
 
 
@@ -180,13 +172,8 @@ def _enter(state: _ModelScope, module, args) -> None:
             and not _torch_compat.saved_tensors_hooks_active() \
             and _torch_compat.current_graph_task_id() == -1 and not _torch_compat.is_compiled_module(module) \
             and not _torch_compat.functorch_transforms_active():
-        scope.state = state
-        # the model-wide hooks until a forward under them showed every save of a tracked output taken by a
-        # RecomputingLinear: then only those consumers push hooks, around their own saves
-        if state.model_hooks is not False:
-            scope.outside = False
-            scope.hooks = torch.autograd.graph.saved_tensors_hooks(_pack_model, _unpack)
-            scope.hooks.__enter__()
+        scope.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        scope.hooks.__enter__()
 
 
 def _leave(state: _ModelScope, module, args, output) -> None:
@@ -197,15 +184,12 @@ def _leave(state: _ModelScope, module, args, output) -> None:
         return
     scope.depth -= 1
     if scope.depth == 0:
-        root = scope.state
-        if scope.hooks is not None and root.model_hooks is None and output is not None:  # a forward that ran
-            root.model_hooks = scope.outside
         _reset(scope)
 
 
 def _reset(scope: _Scope) -> None:
-    hooks, scope.hooks, scope.state, scope.root, scope.depth = scope.hooks, None, None, None, 0
-    if hooks is not None and _torch_compat.saved_tensors_hooks_top() == (_pack_model, _unpack):
+    hooks, scope.hooks, scope.root, scope.depth = scope.hooks, None, None, 0
+    if hooks is not None and _torch_compat.saved_tensors_hooks_top() == (_pack, _unpack):
         hooks.__exit__(None, None, None)
 
 
@@ -291,7 +275,7 @@ def derive(out: Tensor, src: Tensor, transform: Callable[[Tensor], Tensor]) -> N
     take a handle too, which remakes src and applies `transform` under no_grad. Under no_grad, transform must return
     a tensor laid out in memory as out's base (a view's storage: as_strided)."""
     make = recompute_of(src)
-    if make is not None and _scope.state is not None:
+    if make is not None and _scope.hooks is not None:
         _track(out, lambda: transform(make()))
 
 
@@ -352,33 +336,6 @@ def _pack(t: Tensor):
     return t.detach(), _torch_compat.tensor_version(t)
 
 
-def _pack_model(t: Tensor):
-    """`_pack` for the model-wide hooks: a tracked output packed here was saved by a consumer that is no
-    `RecomputingLinear` (the model keeps its model-wide hooks)."""
-    packed = _pack(t)
-    if type(packed) is _Saved:
-        _scope.outside = True
-    return packed
-
-
-class RecomputingLinear(torch.nn.Linear):
-    """An `nn.Linear` of a model handed to `convert(model, keep_output=False)`: reading a tracked norm output, it
-    saves the recompute handle itself (the pack/unpack hooks pushed around its own forward: autograd's linear,
-    bitwise, double backward included), so that a model whose norm outputs only linears save runs without
-    hooks on every other tensor it saves. Elsewhere it is `nn.Linear`."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        scope = _scope
-        if scope.state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() \
-                or _lookup(x)[0] is None:
-            return super().forward(x)
-        top = _torch_compat.saved_tensors_hooks_top()
-        if top is not None and top != (_pack_model, _unpack):  # a checkpoint's or the user's hooks own the saves
-            return super().forward(x)
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            return super().forward(x)
-
-
 def _unpack(packed):
     if type(packed) is _Saved:
         return packed.unpack()
@@ -400,7 +357,7 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
     if not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
     check_arrived()
-    if _scope.state is None:
+    if _scope.hooks is None:
         sequence_parallel = owner is not None and owner.__dict__.get(SP_OUTPUT_ATTR, False)
         # (a reentrant checkpoint's recompute runs inside the backward, outside any forward: nothing to warn of)
         if not sequence_parallel and _scope.depth == 0 and _torch_compat.current_graph_task_id() == -1:
@@ -433,7 +390,7 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
     remake = _Remake(owner, src, versioned, weight, bias, eps, rms, zero_centered, n, y_local.dtype, stats)
     if _torch_compat.is_dtensor(y):
         setattr(y, REMAKE_ATTR, remake)  # what a gathering style's consumers re-gather from (distributed/regather.py)
-        if _scope.state is None:
+        if _scope.hooks is None:
             return
         mesh, placements, shape, stride, local_shape = y.device_mesh, y.placements, y.shape, y.stride(), y_local.shape
 

@@ -202,7 +202,7 @@ class RegatherColwiseParallel(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         # torch's ParallelStyle extension point (parallelize_module calls it); see shardnorm._torch_compat
-        if type(module) not in (nn.Linear, RegatherLinear, output_recompute.RecomputingLinear):
+        if type(module) not in (nn.Linear, RegatherLinear):
             raise TypeError(f"shardnorm: RegatherColwiseParallel takes torch.nn.Linear modules, got "
                             f"{type(module).__name__}; use torch's ColwiseParallel for it")
         torch_style = ColwiseParallel(input_layouts=self.input_layouts[0], output_layouts=self.output_layouts[0],
