@@ -3,6 +3,7 @@
     python -m benchmarks.bench_hf_models --out DIR [--archs llama,qwen3,gemma] [--modes eager,compile]
         [--variants native,shardnorm,shardnorm_discard,liger] [--budget-s 330]
     python -m benchmarks.bench_hf_models --smoke --out DIR          # tiny shapes on the CPU: the code paths only
+    python -m benchmarks.bench_hf_models ... --profile              # and one profiled step per variant
     python -m benchmarks.bench_hf_models --from-json DIR/hf_models.json --out DIR    # the table and plot again
 
 4 layers of hidden 4096, MLP 14336, 32 / 8 heads of 128, vocab 32000, bf16 weights, batch 2 x 4096 tokens, SDPA
@@ -92,6 +93,38 @@ def timed_step(step, params) -> tuple:
         p.grad = None
     own = sum(p.numel() * p.element_size() for p in params)
     return ms, (torch.cuda.max_memory_allocated() - resident + own) / GIB, held[0] / GIB
+
+
+def profiled_step(step, params, out: Path, top: int = 8) -> dict:
+    """One step under torch's profiler (`--profile`): the GPU's kernel time in all and per kernel name (the `top`
+    largest), the GPU's span from the first kernel to the last, and the host's time until the step was queued."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in params:
+        p.grad = None
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        step()
+        host_ms = 1e3 * (time.perf_counter() - t0)
+        if cuda:
+            torch.cuda.synchronize()
+    path = out / "profiled_step.json"
+    prof.export_chrome_trace(str(path))
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+    path.unlink()
+    by_name: dict = {}
+    for e in kernels:
+        name = e["name"][:80]
+        total, count = by_name.get(name, (0.0, 0))
+        by_name[name] = (total + e["dur"] / 1e3, count + 1)
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / 1e3 if kernels else 0.0
+    for p in params:
+        p.grad = None
+    return {"host_queued_ms": host_ms, "kernel_ms": sum(t for t, _ in by_name.values()), "gpu_span_ms": span,
+            "kernels": sorted(([round(t, 3), n, name] for name, (t, n) in by_name.items()), reverse=True)[:top]}
 
 
 def _compare(grads: dict, loss: float, reference: dict, prefix: str) -> dict:
@@ -242,6 +275,16 @@ def markdown(rows, meta) -> str:
                     "norm grad rel err (max)", "ok", "norm grad rel err vs fp32"], cells)
     lines += ["", "Notes:"] + [f"- {r['arch']} {r['mode']} {r['variant']}: {r.get('notes', '')}" for r in rows
                                if r.get("notes")]
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        lines += ["", "One profiled step per variant (`--profile`): the GPU's kernel time, its span from the first "
+                  "kernel to the last, the host's time until the step was queued, and the largest kernels (ms, count)."
+                  "", ""]
+        lines += table(["arch", "mode", "variant", "kernel ms", "GPU span ms", "host queued ms", "largest kernels"],
+                       [[r["arch"], r["mode"], r["variant"], f"{r['profile']['kernel_ms']:.2f}",
+                         f"{r['profile']['gpu_span_ms']:.2f}", f"{r['profile']['host_queued_ms']:.1f}",
+                         "; ".join(f"{name} {t:.2f} ({n})" for t, n, name in r["profile"]["kernels"][:4])]
+                        for r in profiled])
     return "\n".join(lines) + "\n"
 
 
@@ -316,6 +359,9 @@ def run_case(arch: str, mode: str, variants: list, args, refs: dict) -> list:
             done.append(row)
     try:
         time_interleaved(prepared)
+        if args.profile:
+            for row, step, params in prepared.values():
+                row["profile"] = profiled_step(step, params, args.out)
     except Exception as e:  # noqa: BLE001
         for row, _, _ in prepared.values():
             row["error"] = f"timing: {type(e).__name__}: {str(e)[:300]}"
@@ -341,6 +387,9 @@ def main(argv=None):
     parser.add_argument("--from-json", metavar="JSON", help="write an earlier run's table and plot again from its JSON")
     parser.add_argument("--rounds", type=int, help="timing rounds per case (default 3)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the code paths only")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timing, one profiled step per variant: kernel time by kernel, GPU span, "
+                             "host time")
     args = parser.parse_args(argv)
     global DEVICE, SHAPE, SEQ, TIMED_STEPS, ROUNDS
     ROUNDS = args.rounds or ROUNDS
