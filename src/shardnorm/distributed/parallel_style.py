@@ -24,6 +24,8 @@ from shardnorm.distributed import regather
 from shardnorm.distributed.grad_sources import GROUP_ATTR
 from shardnorm.distributed.sequence_gather import gather_sequence
 
+_REPLICATE = (Replicate(),)
+
 
 class SequenceParallelNorm(ParallelStyle):
     """Use where torch's `SequenceParallel` goes in a `parallelize_module` plan, on shardnorm norms.
@@ -128,9 +130,6 @@ class SequenceParallelNorm(ParallelStyle):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "
                 f"output_layouts={self.output_layouts[0]}, use_local_output={self.use_local_output})")
-
-
-_REPLICATE = (Replicate(),)
 
 
 def _warn_consumers_gather(module: nn.Module) -> None:
