@@ -55,7 +55,7 @@ def _gathers(rank, world_size):
                 out = h.redistribute(placements=(Replicate(),))
             if mode is not None:
                 mode.__exit__(None, None, None)
-            expect_local = lean and grad_layout != "dispatch_mode" and shape[dim] % world_size == 0
+            expect_local = lean and grad_layout != "dispatch_mode" and shape[dim] % world_size == 0 and world_size > 1
             assert len(local_path) - taken == expect_local, (shape, dim, grad_layout)
             assert out.placements == (Replicate(),) and out.shape == full.shape and out.stride() == full.stride()
             if grad_layout == "replicate":
@@ -81,7 +81,9 @@ def _gathers(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_gather_matches_redistribute_bitwise():
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_gather_matches_redistribute_bitwise(world_size):
+    """Two ranks: the local path. One rank: DTensor's redistribute, which gathers nothing."""
     from spawn_ranks import spawn
 
-    spawn(_gathers, 2)
+    spawn(_gathers, world_size)
