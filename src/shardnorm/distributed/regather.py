@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from shardnorm import _torch_compat, ops, output_recompute
+from shardnorm.distributed import sequence_gather
 from shardnorm.rows import as_dtensor, cached_spec
 
 _ATTR = "_shardnorm_gathered"  # on the norm's gathered output DTensor: its GatheredOutput
@@ -41,7 +42,7 @@ class GatheredOutput:
 
     def __init__(self, remake: Callable[[], Tensor], y: DTensor, norm: "_NormGathers"):
         self.remake = remake  # () -> the norm's local output rows, bitwise the forward's (`output_recompute._Remake`)
-        self.norm, self.dim = norm, y.placements[0].dim
+        self.norm, self.dim = norm, y.placements[0].dim % y.dim()
         self.local_shape = _torch_compat.dtensor_local(y).shape
         self.spec = (y.device_mesh, y.placements, y.shape, y.stride())
         self.consumers = self.unread = 0
@@ -63,17 +64,14 @@ class GatheredOutput:
             output_recompute.count("recomputed")
             self.unread = self.consumers
             if self.local_shape[self.dim] * self.norm.world == self.spec[2][self.dim]:  # even: one async gather
-                self.work = _torch_compat.all_gather_start(local.contiguous(), self.norm.group)
+                self.work = sequence_gather.start_gather(local, self.norm.group)
             else:  # uneven shards: DTensor's own padded gather, as the forward's
                 self.value = as_dtensor(local, *self.spec).redistribute(placements=(Replicate(),)).to_local()
 
     def take(self, seen: Tensor) -> Tensor:
         """The gathered output again; `seen`: the fp32 sum of what this consumer's forward read."""
         if self.value is None:
-            gathered = _torch_compat.collective_result(self.work)
-            shape = list(self.local_shape)
-            shape[self.dim] *= self.norm.world
-            self.value = gathered.view(self.norm.world, *self.local_shape).movedim(0, self.dim).reshape(shape)
+            self.value = sequence_gather.gathered(self.work, self.dim, self.norm.world, self.local_shape, self.spec[2])
             self.work = None
         value = self.value
         if self.fingerprint is None:

@@ -10,7 +10,7 @@ redistribute itself.
 """
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardnorm import _torch_compat, ops
@@ -35,6 +35,19 @@ def gather_sequence(y: DTensor, owner: nn.Module) -> DTensor:
     return _GatherSequence.apply(y, group, cache)
 
 
+def start_gather(local: Tensor, group):
+    """This rank's shard all-gathered, launched (`gathered` waits): the forward's gather and the keep_output=False
+    consumers' re-gather in backward (`regather.GatheredOutput`) are the same collective."""
+    return _torch_compat.all_gather_start(local.contiguous(), group)
+
+
+def gathered(started, dim: int, world: int, local_shape, shape) -> Tensor:
+    """The all-gather from `start_gather`, waited for, laid out as DTensor's `Shard(dim) -> Replicate` lays it out:
+    the collective stacks the ranks' shards on dim 0, moved here to `dim` (a view where the dims before it are 1)."""
+    out = _torch_compat.collective_result(started)
+    return out.view(world, *local_shape).movedim(0, dim).reshape(shape) if dim else out
+
+
 def _local_path(y, world: int) -> bool:
     if world == 1 or type(y) is not DTensor or y.device_mesh.ndim != 1:  # one rank: the redistribute gathers nothing
         return False
@@ -57,12 +70,10 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, y: DTensor, group, cache: dict) -> DTensor:
         local = ops._ready(_torch_compat.dtensor_local(y))
         dim, world = y.placements[0].dim % y.dim(), group.size()
-        gathered = _torch_compat.collective_result(_torch_compat.all_gather_start(local.contiguous(), group))
-        if dim:
-            gathered = gathered.view(world, *local.shape).movedim(0, dim).reshape(y.shape)
+        out = gathered(start_gather(local, group), dim, world, local.shape, y.shape)
         ctx.group, ctx.dim, ctx.local_shape, ctx.y_spec = group, dim, local.shape, _torch_compat.dtensor_spec_of(y)
         spec = cached_spec(cache, "gathered", y.device_mesh, _REPLICATE, y.shape, None, y.dtype)
-        return _torch_compat.dtensor_with_spec(gathered, spec)
+        return _torch_compat.dtensor_with_spec(out, spec)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
