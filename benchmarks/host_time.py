@@ -35,8 +35,7 @@ included), against torch's module and functional call: forward, the launcher alo
 allocated once), the plan (`_FwdPlan.__call__`: allocations and the launch), `kernels.norm_fwd` (the plan lookup),
 `ops.norm` (the autograd node), the functional call, the module; backward, the plan (`_BwdPlan.__call__`), the
 backward alone through the autograd engine (`torch.autograd.grad` of a retained graph, ours and torch's), then
-forward+backward for
-`ops.norm`, the functional call and the module. Also timed: the pieces a launch and a plan call are made of
+forward+backward for `ops.norm`, the functional call and the module. Also timed: the pieces a launch and a plan call are made of
 (Triton's current device and stream, torch's, the allocations). Writes DIR/host_time_layers.{json,md} after every
 case. Needs the Triton backend: CUDA tensors, or on a CPU `TRITON_INTERPRET=1 SHARDNORM_BACKEND=triton` (the
 interpreter runs the kernels: a check that it runs, not a timing).
