@@ -202,11 +202,14 @@ def _process_group_mode(rank, world_size, seed):
 
 def _mixed_precision(mesh, seed):
     """bf16 activations and params: the grads are summed in fp32 over ranks and micro-batches, then land in
-    `.grad` as bf16 Replicate DTensors. Reference: one process, the same bf16 values kept as fp32 params
-    (the op computes the same bf16 outputs with them), whose grads accumulate in fp32."""
+    `.grad` as bf16 Replicate DTensors. Reference: one process on the same device (the same kernels: on another
+    backend the bf16 rounding of a norm's output can differ in a last bit, which six norms in a row amplify), the
+    same bf16 values kept as fp32 params (the op computes the same bf16 outputs with them), whose grads accumulate
+    in fp32."""
     ref, model = _models(mesh, seed)
     model.to(torch.bfloat16)
-    ref.to(torch.bfloat16).float()
+    device = rank_device(dist.get_rank())
+    ref.to(device, torch.bfloat16).float()
     attach_reducer(model)
     for mb in range(MICRO_BATCHES):
         x, dy = _data()
@@ -214,7 +217,7 @@ def _mixed_precision(mesh, seed):
         with shardnorm.accumulate(model) if mb < MICRO_BATCHES - 1 else nullcontext():
             xd = distribute_tensor(x, mesh, [Shard(1)])
             (model(xd).float() * distribute_tensor(dy, mesh, [Shard(1)])).sum().full_tensor().backward()
-        (ref(x).float() * dy).sum().backward()
+        (ref(x.to(device)).float() * dy.to(device)).sum().backward()
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.grad.dtype == torch.bfloat16 and p.grad.placements == (Replicate(),), name
         err = rel_err(p.grad.full_tensor(), r.grad)
