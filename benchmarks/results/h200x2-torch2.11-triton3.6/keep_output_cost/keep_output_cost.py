@@ -1,5 +1,6 @@
-"""Eager SP step, option on, with parts of its bookkeeping knocked out: where the option's host time goes."""
-import argparse, contextlib, os, statistics, time, json
+"""Eager SP step, option off and on: with parts of the option's bookkeeping knocked out (default), or `--profile`:
+torch.profiler op tables of 3 steps each way (every host thread, the autograd engine's included)."""
+import argparse, contextlib, os, statistics, sys, time, json
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from benchmarks import sp_step
@@ -43,6 +44,24 @@ def step(model, variant, batches, opt, phases):
         phases[0] += t1 - t0; phases[1] += t2 - t1
     opt.step(); opt.zero_grad(set_to_none=True)
 
+
+def profile_steps(mesh, args, xs, out, rank):
+    from torch.profiler import profile, ProfilerActivity
+    for variant in ("shardnorm", "shardnorm_discard"):
+        model = sp_step.build(variant, args, mesh, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+        for _ in range(3): sp_step.step(model, variant, xs, opt)
+        torch.cuda.synchronize(); dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3): sp_step.step(model, variant, xs, opt)
+            torch.cuda.synchronize()
+        if rank == 0:
+            ka = prof.key_averages()
+            open(f"{out}/ops_{variant}.txt", "w").write(ka.table(sort_by="self_cpu_time_total", row_limit=70, max_name_column_width=70))
+            prof.export_chrome_trace(f"{out}/trace_{variant}.json")
+        del model, opt; torch.cuda.empty_cache()
+
+
 def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -53,6 +72,10 @@ def main():
     g = torch.Generator().manual_seed(0)
     ls = args.seq // world
     xs = [torch.randn(1, args.seq, args.dim, generator=g)[:, rank*ls:(rank+1)*ls].contiguous().cuda().bfloat16() for _ in range(2)]
+    if "--profile" in sys.argv:
+        profile_steps(mesh, args, xs, os.environ["OUT"], rank)
+        dist.destroy_process_group()
+        return
     models = {"shardnorm": sp_step.build("shardnorm", args, mesh, 1), "shardnorm_discard": sp_step.build("shardnorm_discard", args, mesh, 1)}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-6) for k, m in models.items()}
     res = {n: {"step": [], "host": [], "fwd": [], "bwd": []} for n in PATCHES}
