@@ -53,18 +53,21 @@ FIRST_CASE_S = {"eager": 15.0, "compile": 30.0}  # time-budget estimate of a var
 GIB = 2**30
 
 
-def _timed(step) -> float:
-    """ms of one step: CUDA events on the GPU, wall time on the CPU (--smoke)."""
+def _timed(step) -> tuple:
+    """(ms of one step: CUDA events on the GPU, wall time on the CPU (--smoke); ms until the host had queued it). A
+    step whose host time nears its GPU time waited for its host somewhere."""
+    t0 = time.perf_counter()
     if DEVICE != "cuda":
-        t0 = time.perf_counter()
         step()
-        return 1e3 * (time.perf_counter() - t0)
+        ms = 1e3 * (time.perf_counter() - t0)
+        return ms, ms
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     step()
+    host_ms = 1e3 * (time.perf_counter() - t0)
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end), host_ms
 
 
 def warm_up(step, params) -> None:
@@ -77,9 +80,9 @@ def warm_up(step, params) -> None:
 
 
 def timed_step(step, params) -> tuple:
-    """(ms of one step, this variant's peak GiB in it, GiB its forward left for the backward). The peak is the rise
-    over what was resident before, plus its own parameters, so the other variants' resident models don't count.
-    Grads are left None."""
+    """((ms of one step, ms until its host had queued it), this variant's peak GiB in it, GiB its forward left for the
+    backward). The peak is the rise over what was resident before, plus its own parameters, so the other variants'
+    resident models don't count. Grads are left None."""
     for p in params:
         p.grad = None
     if DEVICE != "cuda":
@@ -193,14 +196,16 @@ def time_interleaved(cases: dict) -> None:
     """ROUNDS rounds of TIMED_STEPS steps per variant, the variants' steps interleaved one by one (each round
     starts at the next variant), so the GPU's clock drift over a round (it runs warmer and slower as a round goes
     on) hits every variant alike. Each row gets its round medians, the best of them (`ms`), the median over all its
-    steps (`median_ms`), its largest peak and what its forward left."""
+    steps (`median_ms`), the median of its host's time until a step was queued (`host_median_ms`), its largest
+    peak and what its forward left."""
     order = list(cases.values())
     for r in range(ROUNDS):
         times = {id(row): [] for row, _, _ in order}
         for _ in range(TIMED_STEPS):
             for row, step, params in turns(order, r):
-                ms, peak, held = timed_step(step, params)
+                (ms, host_ms), peak, held = timed_step(step, params)
                 times[id(row)].append(ms)
+                row.setdefault("host_ms", []).append(host_ms)
                 row["peak_gib"] = max(row.get("peak_gib", peak), peak)  # NaN on the CPU stays NaN
                 row["forward_gib"] = max(row.get("forward_gib", held), held)
         for row, _, _ in order:
@@ -209,6 +214,7 @@ def time_interleaved(cases: dict) -> None:
     for row, _, _ in order:
         row["ms"] = min(row["round_medians_ms"])
         row["median_ms"] = statistics.median(row["step_ms"])
+        row["host_median_ms"] = statistics.median(row["host_ms"])
 
 
 def judge(row: dict, native_fp32_err: float | None) -> None:
@@ -259,18 +265,20 @@ def markdown(rows, meta) -> str:
     cells = []
     for r in rows:
         if "error" in r or "skipped" in r:
-            cells.append([r["arch"], r["mode"], r["variant"], r.get("error") or r["skipped"]] + [""] * 11)
+            cells.append([r["arch"], r["mode"], r["variant"], r.get("error") or r["skipped"]] + [""] * 12)
             continue
         base = native.get((r["arch"], r["mode"]))
         parity = ([f"{r['loss_rel_diff']:.1e}", f"{r['norm_grad_rel_err_max']:.1e}", r["parity_ok"]]
                   if "parity_ok" in r else ["reference", "reference", "-"])
         cells.append([r["arch"], r["mode"], r["variant"], f"{r['ms']:.1f}",
                       f"{base['ms'] / r['ms']:.3f}x" if base and "ms" in base else "",
-                      f"{r['median_ms']:.1f}" if "median_ms" in r else "-", paired(r, base),
+                      f"{r['median_ms']:.1f}" if "median_ms" in r else "-",
+                      f"{r['host_median_ms']:.1f}" if "host_median_ms" in r else "-", paired(r, base),
                       " / ".join(f"{m:.1f}" for m in r.get("round_medians_ms", [])), f"{r['peak_gib']:.2f}",
                       f"{r['forward_gib']:.2f}" if "forward_gib" in r else "-", f"{r['loss']:.4f}", *parity,
                       f"{r['fp32_norm_grad_rel_err_max']:.1e}" if "fp32_norm_grad_rel_err_max" in r else "-"])
-    lines += table(["arch", "mode", "variant", "ms", "vs native", "median ms (all steps)", "paired ms vs native [95%]",
+    lines += table(["arch", "mode", "variant", "ms", "vs native", "median ms (all steps)", "host queued ms (median)",
+                    "paired ms vs native [95%]",
                     "round medians ms", "peak GiB", "held after forward GiB", "loss", "loss rel diff",
                     "norm grad rel err (max)", "ok", "norm grad rel err vs fp32"], cells)
     lines += ["", "Notes:"] + [f"- {r['arch']} {r['mode']} {r['variant']}: {r.get('notes', '')}" for r in rows

@@ -22,4 +22,5 @@ def test_smoke_run_with_profile(tmp_path):
     assert not any("error" in r for r in rows.values()), rows
     assert rows["shardnorm"]["loss"] == rows["shardnorm_discard"]["loss"]
     assert all(r["profile"]["host_queued_ms"] > 0 for r in rows.values())
+    assert all(len(r["host_ms"]) == len(r["step_ms"]) and r["host_median_ms"] > 0 for r in rows.values())
     assert "One profiled step per variant" in (tmp_path / "hf_models.md").read_text()
