@@ -14,7 +14,8 @@ an ordinary grad; the sink's post-accumulate hook passes it on to `add`.
 Between the backward passes of an accumulating step the partial sums wait in the parameters' own `.grad` (as
 Megatron-Core keeps them in its grad buffer): however the user zeroes grads (`zero_grad`, `set_to_none`,
 `p.grad.zero_()`, `p.grad.data.zero_()`), the zeroing reaches them. The step's last backward takes them back out
-before its buckets are reduced.
+before its buckets are reduced: the exact fp32 sums where `.grad` still holds what was written there, so a bf16
+`.grad` rounds the step's sum once.
 """
 
 import functools
@@ -40,36 +41,56 @@ DEFAULT_BUCKET_CAP_MB = 1.0
 class _Slot:
     """One parameter's fp32 accumulator: a view into its bucket once laid out, a lone tensor before."""
 
-    __slots__ = ("param", "group", "data", "bucket", "expected", "count", "touched", "stashed", "base")
+    __slots__ = ("param", "group", "data", "bucket", "expected", "count", "touched", "stashed", "base", "total",
+                 "written")
 
     def __init__(self, param, group, numel: int, device):
         self.param, self.group, self.bucket = param, group, None
         self.data = torch.zeros(numel, dtype=torch.float32, device=device)
         self.expected, self.count, self.touched = 1, 0, False
-        self.stashed, self.base = False, None  # the pending sum waits in the param's .grad; what .grad held before
+        # the pending sum waits in the param's .grad: what .grad held before (fp32), the exact fp32 sum, and what
+        # was written into .grad (its dtype)
+        self.stashed, self.base, self.total, self.written = False, None, None, None
 
     def stash(self) -> None:
-        """Move the pending sum into the param's `.grad` (in its dtype), where any zeroing of the grads reaches it."""
+        """Move the pending sum into the param's `.grad` (in its dtype), where any zeroing of the grads reaches it,
+        keeping its exact fp32 value too: a bf16 `.grad` would otherwise round the step's sum once per
+        micro-batch instead of once."""
         param = self.param
+        kept = self._stashed_sum() if self.stashed else None
+        if kept is None:  # the step's first stash, or .grad set to None since the last one
+            self.base = None if param.grad is None else \
+                local_tensor(param.grad).reshape(-1).to(torch.float32, copy=True)
+            self.total = self.data.clone()
+        else:
+            self.total = kept.add_(self.data)
+        values = (self.total if self.base is None else self.base + self.total).to(param.dtype)
         if param.grad is None:
-            param.grad = _as_grad(param, self.data.to(param.dtype, copy=True))
-            self.base = None
+            param.grad = _as_grad(param, values.clone())
         else:
             local = local_tensor(param.grad)
-            if not self.stashed:
-                self.base = local.reshape(-1).to(torch.float32, copy=True)
-            local.add_(self.data.view_as(local))
+            local.copy_(values.view_as(local))
+        self.written = values
         self.data.zero_()
         self.touched, self.stashed = False, True
+
+    def _stashed_sum(self):
+        """The stashed fp32 sum as the user's handling of `.grad` left it: None where `.grad` was set to None;
+        elementwise, the exact sum where `.grad` still holds what `stash` wrote, else `.grad` less what it held
+        before the step (zeroed through `zero_grad`, `.data` or anything else)."""
+        if self.param.grad is None:
+            return None
+        now = local_tensor(self.param.grad).reshape(-1)
+        from_grad = now.float() if self.base is None else now.float() - self.base
+        return torch.where(now == self.written, self.total, from_grad)
 
     def unstash(self) -> None:
         """Take back out of `.grad` what is left of the stashed sum, leaving `.grad` as it was before the step."""
         if not self.stashed:
             return
-        if self.param.grad is not None:
-            self.data.add_(local_tensor(self.param.grad).reshape(-1))
-            if self.base is not None:
-                self.data.sub_(self.base)
+        kept = self._stashed_sum()
+        if kept is not None:
+            self.data.add_(kept)
             self.touched = True
             if self.bucket is not None:
                 self.bucket.dirty = True
@@ -90,7 +111,7 @@ class _Slot:
             else:
                 local = local_tensor(self.param.grad)
                 local.copy_(self.base.view_as(local))
-        self.stashed, self.base = False, None
+        self.stashed, self.base, self.total, self.written = False, None, None, None
 
 
 class GradSink:
@@ -148,6 +169,7 @@ class NormGradReducer:
                              f"source {type(self.source).__name__} is harvested once per step, use reduce='bucketed'")
         self.source.attach(self)
         _REDUCERS.add(self)
+        _install_step_check()
 
     @property
     def num_buckets(self) -> int:
@@ -390,7 +412,11 @@ def _refuse_pending_step(optimizer, args, kwargs) -> None:
                     "drops them")
 
 
-register_optimizer_step_pre_hook(_refuse_pending_step)
+@functools.cache
+def _install_step_check() -> None:
+    """torch.optim's global step pre-hook, installed with the process's first reducer: a process that never hands
+    a model to a reducer keeps its optimizers as torch leaves them."""
+    register_optimizer_step_pre_hook(_refuse_pending_step)
 
 
 def _as_grad(param, values: torch.Tensor) -> torch.Tensor:
@@ -417,6 +443,7 @@ def _accumulate_grad(param, data: torch.Tensor) -> None:
         param.grad = _as_grad(param, data.to(param.dtype, copy=True))
     elif not isinstance(param.grad, DTensor) or param.grad.placements == param.placements:  # this rank's part
         local = local_tensor(param.grad)
-        local.add_(data.to(param.dtype).view(local.shape))  # (DTensor's add_: ~40x the host time of this)
+        # fp32 `data` into a bf16 .grad: added in fp32, rounded once (DTensor's add_: ~40x the host time of this)
+        local.add_(data.view(local.shape))
     else:
         param.grad.add_(_as_grad(param, data.to(param.dtype, copy=True)))
