@@ -425,8 +425,55 @@ def _partial_grads_source(rank, world_size, seed):
         assert rel_err(p.grad.cpu(), r.grad) <= TOL, f"partial grads, step after a given-up one: {name}"
 
 
+def _step_boundary_kernels(mesh, norms: int, micro_batches: int = 3) -> list[int]:
+    """Tensor ops other than views (each a kernel on a GPU) the reducer runs at each backward's start and end over
+    one step of `micro_batches` (the pending sums stashed into `.grad`, taken back, reduced and written), for
+    `norms` LayerNorms in one bucket."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view  # views run no kernel
+            return func(*args, **(kwargs or {}))
+
+    model = nn.Sequential(*[shardnorm.LayerNorm(HIDDEN) for _ in range(norms)])
+    parallelize_module(model, mesh, {str(i): SequenceParallelNorm() for i in range(norms)})
+    reducer = attach_reducer(model, bucket_cap_mb=1.0)
+    counts = []
+
+    def counted(method):
+        def run(*args):
+            with Count() as count:
+                method(*args)
+            counts.append(count.ops)
+        return run
+
+    reducer._begin_backward = counted(reducer._begin_backward)
+    reducer._end_backward = counted(reducer._end_backward)
+    for step in range(2):  # the first step lays the bucket out
+        counts.clear()
+        for mb in range(micro_batches):
+            with shardnorm.accumulate(model) if mb < micro_batches - 1 else nullcontext():
+                model(distribute_tensor(torch.randn(2, 8, HIDDEN), mesh, [Shard(1)])).sum().full_tensor().backward()
+        model.zero_grad(set_to_none=True)
+    assert reducer.num_buckets == 1
+    return counts
+
+
+def _step_boundary_kernels_per_bucket(mesh):
+    """The pending sums of an accumulating step are stashed, taken back and written to `.grad` a bucket at a time:
+    the reducer's tensor ops at the backward passes' boundaries do not grow with the number of norms."""
+    few, many = _step_boundary_kernels(mesh, 3), _step_boundary_kernels(mesh, 12)
+    assert few == many, f"ops at each backward's start and end, 3 norms {few} against 12 norms {many}"
+
+
 def _lifecycle(rank, world_size, seed):
     mesh = init_device_mesh(DEVICE, (world_size,))
+    _step_boundary_kernels_per_bucket(mesh)
     counter = _AllReduceCounter()
     _zero_grad_discards_pending(mesh, seed)
     _step_with_pending_partials(mesh, seed, counter)
