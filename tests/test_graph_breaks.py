@@ -55,18 +55,26 @@ def _steps(model, forward, seed, compiled_modules=()):
         x = torch.randn(BATCH, SEQ, HIDDEN, generator=g)
         with shardnorm.accumulate(model) if mb < MICRO_BATCHES - 1 else contextlib.nullcontext():
             forward(x).float().square().mean().backward()
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().cpu()
-             for n, p in model.named_parameters() if p.grad is not None}
-    return grads, breaks
+    return _grads(model), sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _grads(model) -> dict:
+    """{name: (grad as a full tensor, its placements or None)} of the params that have a grad."""
+    return {n: ((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().cpu(),
+                getattr(p.grad, "placements", None))
+            for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _compare(what, eager, compiled, breaks):
+    """No graph break, and the compiled step's grads as eager's: values, and placements (a `Partial` norm grad
+    where eager's is `Replicate` would mean something but the reducer reached `.grad`)."""
     assert breaks == 0, f"{what}: {breaks} graph breaks: {dict(torch._dynamo.utils.counters['graph_break'])}"
     assert eager.keys() == compiled.keys(), f"{what}: grads of {set(eager) ^ set(compiled)} differ in presence"
-    for name, want in eager.items():
-        err = ((compiled[name] - want).norm() / want.norm().clamp_min(1e-30)).item()
+    for name, (want, placements) in eager.items():
+        got, got_placements = compiled[name]
+        err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
         assert err <= TOL, f"{what}: {name}.grad rel err {err:.2e} against eager"
+        assert got_placements == placements, f"{what}: {name}.grad placed {got_placements}, eager {placements}"
 
 
 def _readme_recipe(mesh, keep_output, seed):
@@ -190,9 +198,7 @@ def _hf_tp_plan_recipe(rank, world_size, root, seed):
             with shardnorm.accumulate(model) if mb < MICRO_BATCHES - 1 else contextlib.nullcontext():
                 batch = batch.to(model.device)
                 forward(input_ids=batch, labels=batch).loss.backward()
-        grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                 for n, p in model.named_parameters() if p.grad is not None}
-        return grads, sum(torch._dynamo.utils.counters["graph_break"].values())
+        return _grads(model), sum(torch._dynamo.utils.counters["graph_break"].values())
 
     eager_model = load()
     eager, _ = run(eager_model, eager_model)

@@ -44,7 +44,7 @@ def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero
         return ops.norm(x, weight, bias, residual, eps, rms, zero_centered, sinks,
                         TokenShards(layout, weight, bias, n))
     x_local = x.to_local()
-    w, b = _local_params(weight, bias, layout, n)
+    w, b = _local_params(weight, bias, layout, n, sinks)
     y, z = ops.norm(as_rows(x_local, n), w, b, as_rows(residual.to_local(), n) if residual is not None else None,
                     eps, rms, zero_centered, sinks)
     return _from_local(y, x, x_local), (_from_local(z, x, x_local) if z is not None else None)
@@ -78,11 +78,21 @@ def _one_node_ok(x, weight, bias, residual) -> bool:
                          local(bias) if isinstance(bias, DTensor) else bias)
 
 
-def _local_params(weight, bias, layout: NormLayout, n: int) -> tuple:
+def _local_params(weight, bias, layout: NormLayout, n: int, sinks: tuple) -> tuple:
     """This rank's weight/bias as the op takes them; grads flowing back through them are `Partial` over the
-    token mesh dims (where a sink takes them, none flow)."""
-    return tuple(as_param(p.to_local(grad_placements=layout.grad_placements) if isinstance(p, DTensor) else p, n)
-                 for p in (weight, bias))
+    token mesh dims. Where a sink takes a parameter's grad, a compiled call cuts the parameter off autograd, so
+    that nothing can reach its `.grad` but the reducer: a `Partial` `.grad` there (seen in compiled steps on
+    GPUs) makes the reducer add into a DTensor, a redistribution per parameter per step, and stash slot by
+    slot. (Its create_graph backward, which differentiates the weight again, does not run under compile.)"""
+    compiling = torch.compiler.is_compiling()
+    return tuple(as_param(_local(p, layout, cut=compiling and sink is not None), n)
+                 for p, sink in zip((weight, bias), sinks))
+
+
+def _local(p, layout: NormLayout, cut: bool):
+    if not isinstance(p, DTensor):
+        return p
+    return p.detach().to_local() if cut else p.to_local(grad_placements=layout.grad_placements)
 
 
 def _from_local(t, x: DTensor, x_local):
