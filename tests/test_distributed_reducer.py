@@ -350,6 +350,18 @@ def _zero_grad_discards_pending(mesh, seed):
         _clean_step(model, ref, mesh, f"{case}: step after the abandoned one")
 
 
+def _in_place_zero_after_bucket_stash(mesh, seed):
+    """Grads zeroed in place between the micro-batches of a step whose sums the reducer stashed a bucket at a time
+    (`.grad`s all None before it: views of one tensor per bucket): the zeroing reaches every one of them."""
+    for case in ("in place, no_grad", "in place, .data"):
+        ref, model = _models(mesh, seed)
+        reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+        _abandoned_step(model, mesh)
+        assert all(b.stashed is not None for b in reducer.buckets), f"{case}: no bucket stashed as one piece"
+        ZERO_GRADS[case](model, None)
+        _clean_step(model, ref, mesh, f"{case}, after a stash a bucket at a time")
+
+
 def _step_with_pending_partials(mesh, seed, counter):
     """Every backward of a step inside `accumulate`: optimizer.step() refuses (the norm grads are not reduced);
     finalize_grads makes them right; discard_pending drops them, and the grads are as before."""
@@ -476,6 +488,7 @@ def _lifecycle(rank, world_size, seed):
     _step_boundary_kernels_per_bucket(mesh)
     counter = _AllReduceCounter()
     _zero_grad_discards_pending(mesh, seed)
+    _in_place_zero_after_bucket_stash(mesh, seed)
     _step_with_pending_partials(mesh, seed, counter)
     _accumulate_without_reducer(mesh, seed)
     _partial_grads_source(rank, world_size, seed)
