@@ -138,8 +138,8 @@ class GradSink:
 class _Bucket:
     """A contiguous range of a flat buffer, reduced with one collective.
 
-    Its slots' pending sums are stashed, taken back and written to `.grad` together where they can be (`stash`,
-    `unstash`, `write_grads`): a few kernels per bucket instead of a few per parameter, host time of every
+    Its slots' pending sums are stashed, taken back and written to `.grad` (`stash`, `unstash`, `write_grads`)
+    together where they can be: a few kernels per bucket instead of a few per parameter, host time of every
     accumulating step (10 against 80 ops a step for 8 norms, 20 against 650 for 65:
     `benchmarks/results/cpu-torch2.13-triton3.9/reducer_host.md`). Where the slots' `.grad`s are not in one state
     (a user's own `.grad`, some set to None, a norm unused in a micro-batch), each slot does it on its own
@@ -173,8 +173,14 @@ class _Bucket:
         """Whether the last stash was the whole bucket's and every `.grad` is still the object it wrote."""
         return self.stashed is not None and all(s.stashed and s.param.grad is s.grad for s in self.slots)
 
-    def stash(self) -> bool:
-        """`_Slot.stash` of every slot at once; False (nothing done) where the slots are not in one state."""
+    def stash(self) -> None:
+        """`_Slot.stash` of every touched slot: at once where the slots are in one state."""
+        if not self._stash_at_once():
+            for s in self.slots:
+                if s.touched:
+                    s.stash()
+
+    def _stash_at_once(self) -> bool:
         slots, dtype = self.slots, self._dtype()
         if dtype is None or not all(s.touched for s in slots):
             return False
@@ -198,21 +204,29 @@ class _Bucket:
         self.stashed = (total, written, grads)
         return True
 
-    def unstash(self) -> bool:
-        """`_Slot.unstash` of every slot at once; False (nothing done) where the slots are not in one state."""
+    def unstash(self) -> None:
+        """`_Slot.unstash` of every slot: at once where the last stash was the whole bucket's and left as it was."""
         if not self._in_one_piece():
-            return False
+            for s in self.slots:
+                s.unstash()
+            return
         self.flat.add_(self._stashed_sum())
         for s in self.slots:
-            s.param.grad = None
-            s.stashed, s.base, s.total, s.written, s.grad = False, None, None, None, None
+            s._restore_grad()  # nothing held before the stash: .grad back to None
             s.touched = True
         self.stashed, self.dirty = None, True
-        return True
 
-    def write_grads(self) -> bool:
-        """The reduced sums of the touched slots into `.grad` where every one of them is None (`_accumulate_grad`):
-        views of one tensor in the params' dtype; False (nothing done) otherwise."""
+    def write_grads(self) -> None:
+        """The reduced sums of the touched slots into `.grad` (`_accumulate_grad`): where every one of those
+        `.grad`s is None, as views of one tensor in the params' dtype."""
+        if not self._write_grads_at_once():
+            for s in self.slots:
+                if s.touched:
+                    _accumulate_grad(s.param, s.data)
+                    s.data.zero_()
+                    s.touched = False
+
+    def _write_grads_at_once(self) -> bool:
         touched, dtype = [s.touched for s in self.slots], self._dtype()
         if dtype is None or not any(touched) \
                 or any(t and s.param.grad is not None for s, t in zip(self.slots, touched)):
@@ -399,18 +413,12 @@ class NormGradReducer:
             self._finish_per_layer()
             self._lay_out_staged()
             for b in self.buckets:
-                if not b.stash():
-                    for s in b.slots:
-                        if s.touched:
-                            s.stash()
+                b.stash()
 
     def _unstash_all(self) -> None:
+        """Every stashed sum back into the buckets (only laid-out slots are ever stashed: `_end_backward`)."""
         for b in self.buckets:
-            if not b.unstash():
-                for s in b.slots:
-                    s.unstash()
-        for s in self._staged:
-            s.unstash()
+            b.unstash()
 
     # ---- reduction -----------------------------------------------------------------------------------
 
@@ -488,12 +496,7 @@ class NormGradReducer:
         for slots, flat in late:
             _add_into(slots, flat)
         for b in self.buckets:
-            if not b.write_grads():
-                for s in b.slots:
-                    if s.touched:
-                        _accumulate_grad(s.param, s.data)
-                        s.data.zero_()
-                        s.touched = False
+            b.write_grads()
 
 
 _REDUCERS: "weakref.WeakSet[NormGradReducer]" = weakref.WeakSet()
