@@ -86,3 +86,48 @@ def test_bad_setting_names_the_variable(monkeypatch, name, value):
     finally:
         monkeypatch.undo()
         settings.reload()
+
+
+@pytest.mark.parametrize("shape, what", [(torch.ones(8), "got Tensor"), ("8", "got str"), (True, "got bool"),
+                                         ((8.0,), "got an element of type float"), (8.0, "got float")])
+def test_normalized_shape_type(shape, what):
+    """A tensor (the weight passed where the shape goes), a string or a float size: a TypeError naming
+    normalized_shape, not a comparison's or an unreadable shape mismatch (a float size used to pass)."""
+    with pytest.raises(TypeError, match=f"normalized_shape must be an int or a sequence of ints, {what}"):
+        shardnorm.rms_norm(torch.randn(2, 8), shape)
+    if not isinstance(shape, torch.Tensor):
+        with pytest.raises(TypeError, match="normalized_shape"):
+            shardnorm.LayerNorm(shape)
+
+
+@pytest.mark.parametrize("eps", ["1e-5", torch.tensor(1e-5), True])
+def test_eps_type(eps):
+    """A string or tensor eps: a TypeError naming eps, at the call and at construction (a tensor would reach the
+    kernels as a pointer argument; torch's constructors take a string)."""
+    with pytest.raises(TypeError, match="eps must be a float"):
+        shardnorm.rms_norm(torch.randn(2, 8), 8, eps=eps)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        shardnorm.RMSNorm(8, eps=eps)
+    norm = shardnorm.RMSNorm(8, keep_output=False)
+    norm.eps = eps  # set after construction: the call checks it
+    with pytest.raises(TypeError, match="eps must be a float"):
+        norm(torch.randn(2, 8))
+
+
+def test_int_eps_is_a_float(backend, device):
+    """An int eps is the float it names. The kernels' launch plans leave eps out of their cache key (always a
+    float): an int 1 first would compile a kernel specialized to it (Triton makes an int 1 a constant) that a later
+    float eps would reuse. An N no other test uses, so this test's first call makes the plan."""
+    x = torch.randn(4, 40, device=device)
+    expected = torch.nn.functional.layer_norm(x.double(), (40,), eps=1.0)
+    torch.testing.assert_close(shardnorm.layer_norm(x, 40, eps=1).double(), expected, rtol=1e-5, atol=1e-5)
+    expected = torch.nn.functional.layer_norm(x.double(), (40,), eps=1e-5)
+    torch.testing.assert_close(shardnorm.layer_norm(x, 40, eps=1e-5).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["x", "weight", "bias", "residual"])
+def test_non_tensor_argument(name):
+    args = {"x": torch.randn(2, 8), "residual": torch.randn(2, 8), "weight": torch.ones(8), "bias": torch.zeros(8)}
+    args[name] = [0.0] * 8
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+        shardnorm.add_layer_norm(args["x"], args["residual"], 8, args["weight"], args["bias"])

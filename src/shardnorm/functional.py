@@ -22,9 +22,39 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ShapeLike = Union[int, Sequence[int], torch.Size]
 
 
-def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+def _shape(normalized_shape) -> tuple:
+    """normalized_shape as a tuple of sizes (ints, or a traced graph's symbolic ints): a TypeError naming it for
+    anything else (a tensor, a string, a float size would otherwise reach the comparisons and the kernels)."""
+    if type(normalized_shape) is tuple:
+        shape = normalized_shape
+    elif isinstance(normalized_shape, (int, torch.SymInt)) and not isinstance(normalized_shape, bool):
+        return (normalized_shape,)
+    elif isinstance(normalized_shape, (Tensor, str, bytes)) or not hasattr(normalized_shape, "__iter__"):
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got "
+                        f"{type(normalized_shape).__name__}")
+    else:
+        shape = tuple(normalized_shape)
+    for d in shape:
+        if type(d) is not int and (isinstance(d, bool) or not isinstance(d, (int, torch.SymInt))):
+            raise TypeError(f"normalized_shape must be an int or a sequence of ints, got an element of type "
+                            f"{type(d).__name__} ({d!r})")
+    return shape
+
+
+def check_eps(eps) -> float:
+    """eps as the kernels take it, a float (an int converted: the launch plans key their kernels on eps being one),
+    or a TypeError / ValueError naming it: a tensor or a string would reach the kernels as another kind of argument."""
+    if type(eps) is not float:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)):
+            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        if not isinstance(eps, torch.SymFloat):
+            eps = float(eps)
+    if not eps >= 0:  # also rejects NaN
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    return eps
+
+
+def _check(x: Tensor, residual, shape: tuple, weight, bias) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if len(shape) == 0 or min(shape) <= 0:
@@ -34,6 +64,8 @@ def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
                          f"(shape {list(x.shape)})")
     device = x.device
     if residual is not None:
+        if not isinstance(residual, Tensor):
+            raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
         if residual.dtype not in SUPPORTED_DTYPES:
@@ -43,14 +75,14 @@ def _check(x: Tensor, residual, shape: tuple, weight, bias, eps: float) -> None:
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
         if p.shape != shape:
             raise ValueError(f"{name} must have shape normalized_shape {list(shape)}, got {list(p.shape)}")
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {p.dtype}")
         if p.device != device:
             raise ValueError(f"{name} is on {p.device} but x is on {device}")
-    if not eps >= 0:  # also rejects NaN
-        raise ValueError(f"eps must be >= 0, got {eps}")
 
 
 # torch.finfo(dtype).eps, the default eps of rms_norm (torch.finfo costs ~0.5 us per call).
@@ -59,18 +91,18 @@ _DEFAULT_EPS = {dtype: torch.finfo(dtype).eps for dtype in SUPPORTED_DTYPES}
 
 def resolve_eps(eps: Optional[float], dtype: torch.dtype) -> float:
     """eps as the op takes it: None is torch's default for rms_norm, finfo(dtype).eps (other dtypes: _check
-    raises)."""
-    return _DEFAULT_EPS.get(dtype, 0.0) if eps is None else float(eps)
+    raises); a number as `check_eps` takes it."""
+    return _DEFAULT_EPS.get(dtype, 0.0) if eps is None else check_eps(eps)
 
 
 def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool, zero_centered: bool):
     """eps: a number (a caller that keeps the value, the module with keep_output=False, resolves it once and passes
     it), or None for `resolve_eps`'s default."""
-    shape = normalized_shape if type(normalized_shape) is tuple else \
-        (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if eps is None:
-        eps = resolve_eps(None, x.dtype)
-    _check(x, residual, shape, weight, bias, eps)  # DTensors too: their shapes are the global ones
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    shape = _shape(normalized_shape)
+    eps = resolve_eps(None, x.dtype) if eps is None else check_eps(eps)
+    _check(x, residual, shape, weight, bias)  # DTensors too: their shapes are the global ones
     if is_dtensor(x):
         from .distributed.dtensor import norm_dtensor
 

@@ -71,11 +71,19 @@ class _FusedNorm:
         return super().extra_repr() + extra
 
 
+def _check_args(normalized_shape, eps) -> None:
+    """The constructor's arguments, checked as every call checks them (torch's constructors accept a string eps and
+    leave a float size to fail in torch.empty): the error names the argument at construction."""
+    F._shape(normalized_shape)
+    F.check_eps(eps)
+
+
 class LayerNorm(_FusedNorm, torch.nn.LayerNorm):
     _rms = False
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None, *, zero_centered_gamma: bool = False, keep_output: bool = True) -> None:
+        _check_args(normalized_shape, eps)
         self.zero_centered_gamma = zero_centered_gamma  # read by reset_parameters inside super().__init__
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self.keep_output = keep_output
@@ -86,6 +94,7 @@ class RMSNorm(_FusedNorm, torch.nn.RMSNorm):
 
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
                  device=None, dtype=None, *, zero_centered_gamma: bool = False, keep_output: bool = True) -> None:
+        _check_args(normalized_shape, eps if eps is not None else 0.0)
         self.zero_centered_gamma = zero_centered_gamma
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self.keep_output = keep_output
