@@ -81,11 +81,36 @@ def init_runtime(deepspeed: bool = False, timeout_s: float = 600.0) -> Runtime:
 
         # its own backend choice: nccl, or gloo/ccl for DS_ACCELERATOR=cpu
         ds.init_distributed(timeout=timedelta(seconds=timeout_s))
+        release_deepspeed_shm(rank, world_size)
     else:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None,
                                 timeout=timedelta(seconds=timeout_s))
     return Runtime(rank, world_size, device)
+
+
+def deepspeed_shm_name(rank: int) -> str:
+    """The shared-memory file of DeepSpeed's CPU all-reduce workspace for `rank` (`deepspeed/ops/csrc/cpu/comm/shm.cpp`:
+    66 MB per rank, created when every rank is on this machine, LOCAL_SIZE == WORLD_SIZE)."""
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+           f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+
+
+def release_deepspeed_shm(rank: int, world_size: int) -> None:
+    """Unlink this rank's DeepSpeed shared-memory workspace once every rank has mapped every workspace.
+
+    DeepSpeed never unlinks it: each CPU run left 66 MB per rank in /dev/shm, RAM held until a reboot (299 files,
+    20 GB, on this project's test machine), and a later run on the same port could map a stale one. The mappings
+    keep the memory until the processes exit. Every rank decides the same way (the same environment on one
+    machine), so all or none reach the barrier."""
+    from deepspeed import comm
+
+    backend = getattr(comm.comm, "cdb", None)
+    if getattr(backend, "shm_comm_op", None) is None or os.environ.get("LOCAL_SIZE") != str(world_size):
+        return
+    dist.barrier()  # each rank's initialize returned: it has mapped all the workspaces
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(deepspeed_shm_name(rank))
 
 
 class CollectiveTimeout(RuntimeError):

@@ -4,9 +4,11 @@ Each run is a real `launch/train.sh` / `launch/deepspeed.sh` subprocess; rank 0'
 metrics.jsonl and loss.png are checked afterwards. About 2-3 minutes on a 2-core machine.
 """
 
+import glob
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -33,6 +35,12 @@ def launch(script: str, *args: str, **env_vars: str) -> subprocess.CompletedProc
 
 
 def run_ok(script: str, out_dir: Path, *args: str) -> tuple[dict, list[dict]]:
+    summary, records, _ = run_with_output(script, out_dir, *args)
+    return summary, records
+
+
+def run_with_output(script: str, out_dir: Path, *args: str) -> tuple[dict, list[dict], str]:
+    """`run_ok`'s summary and records, and the run's stdout and stderr."""
     if "--check" in args and torch.cuda.is_available():
         # cuBLAS sums a sharded matmul in another order than the whole one, and 40 steps at tiny_cpu's lr grow
         # that fp32 rounding to ~5e-4 of the loss (2 H200s); on CPU (gloo) the default 1e-4 holds
@@ -42,7 +50,7 @@ def run_ok(script: str, out_dir: Path, *args: str) -> tuple[dict, list[dict]]:
     assert "summary:" in result.stdout
     assert (out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out_dir / "summary.json").read_text()), records
+    return json.loads((out_dir / "summary.json").read_text()), records, result.stdout + result.stderr
 
 
 @pytest.mark.distributed
@@ -98,11 +106,15 @@ def test_compiled_blocks_deeper_than_the_recompile_limit(tmp_path):
 @pytest.mark.deepspeed
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 def test_deepspeed_zero3(tmp_path):
-    summary, records = run_ok("deepspeed.sh", tmp_path, TINY, "--check",
-                              "parallel.deepspeed_config=configs/deepspeed/zero3.json",
-                              "train.steps=4", "train.timing_skip=1")
+    """Also: the run leaves no DeepSpeed shared-memory workspace behind (on CPU DeepSpeed's all-reduce maps one per
+    rank, 66 MB, and never unlinks it; `parallel.runtime.release_deepspeed_shm`)."""
+    summary, records, output = run_with_output("deepspeed.sh", tmp_path, TINY, "--check",
+                                               "parallel.deepspeed_config=configs/deepspeed/zero3.json",
+                                               "train.steps=4", "train.timing_skip=1")
     assert (summary["engine"], summary["dp"], summary["tp"]) == ("deepspeed", 2, 1)
     assert summary["check_passed"] and len(records) == 4
+    port = re.search(r"--master_port[= ](\d+)", output).group(1)
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
 
 
 def check_config(*args: str) -> subprocess.CompletedProcess:
