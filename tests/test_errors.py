@@ -131,3 +131,16 @@ def test_non_tensor_argument(name):
     args[name] = [0.0] * 8
     with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
         shardnorm.add_layer_norm(args["x"], args["residual"], 8, args["weight"], args["bias"])
+
+
+def test_flag_types():
+    """A string flag would be read by its truth value: "no" would select the 1 + weight kernels, or keep the outputs
+    a `convert(..., keep_output="no")` meant to discard. A TypeError naming the flag instead."""
+    with pytest.raises(TypeError, match="zero_centered_gamma must be a bool"):
+        shardnorm.rms_norm(torch.randn(2, 8), 8, torch.ones(8), zero_centered_gamma="no")
+    with pytest.raises(TypeError, match="zero_centered_gamma must be a bool"):
+        shardnorm.LayerNorm(8, zero_centered_gamma="no")
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8))
+    with pytest.raises(TypeError, match="keep_output must be a bool"):
+        shardnorm.convert(model, keep_output="no")
+    assert type(model[0]) is torch.nn.LayerNorm  # refused before anything was converted

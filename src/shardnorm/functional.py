@@ -100,6 +100,8 @@ def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool
     it), or None for `resolve_eps`'s default."""
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if zero_centered is not False and zero_centered is not True:  # a string would select the 1 + weight kernels
+        raise TypeError(f"zero_centered_gamma must be a bool, got {type(zero_centered).__name__}")
     shape = _shape(normalized_shape)
     eps = resolve_eps(None, x.dtype) if eps is None else check_eps(eps)
     _check(x, residual, shape, weight, bias)  # DTensors too: their shapes are the global ones
