@@ -99,9 +99,8 @@ def deepspeed_shm_name(rank: int) -> str:
 def release_deepspeed_shm(rank: int, world_size: int) -> None:
     """Unlink this rank's DeepSpeed shared-memory workspace once every rank has mapped every workspace.
 
-    DeepSpeed never unlinks it: each CPU run left 66 MB per rank in /dev/shm, RAM held until a reboot (299 files,
-    20 GB, on this project's test machine), and a later run on the same port could map a stale one. The mappings
-    keep the memory until the processes exit. Every rank decides the same way (the same environment on one
+    DeepSpeed never unlinks it: every CPU run would leave 66 MB per rank in /dev/shm, RAM held until a reboot, and
+    a later run on the same port could map a stale one. The mappings keep the memory until the processes exit. Every rank decides the same way (the same environment on one
     machine), so all or none reach the barrier."""
     from deepspeed import comm
 

@@ -92,7 +92,7 @@ def test_bad_setting_names_the_variable(monkeypatch, name, value):
                                          ((8.0,), "got an element of type float"), (8.0, "got float")])
 def test_normalized_shape_type(shape, what):
     """A tensor (the weight passed where the shape goes), a string or a float size: a TypeError naming
-    normalized_shape, not a comparison's or an unreadable shape mismatch (a float size used to pass)."""
+    normalized_shape, not a comparison's or an unreadable shape mismatch (a float size passes the comparison)."""
     with pytest.raises(TypeError, match=f"normalized_shape must be an int or a sequence of ints, {what}"):
         shardnorm.rms_norm(torch.randn(2, 8), shape)
     if not isinstance(shape, torch.Tensor):
@@ -103,7 +103,7 @@ def test_normalized_shape_type(shape, what):
 @pytest.mark.parametrize("eps", ["1e-5", torch.tensor(1e-5), True])
 def test_eps_type(eps):
     """A string or tensor eps: a TypeError naming eps, at the call and at construction (a tensor would reach the
-    kernels as a pointer argument; torch's constructors take a string)."""
+    kernels as another kind of argument; torch's constructors take a string)."""
     with pytest.raises(TypeError, match="eps must be a float"):
         shardnorm.rms_norm(torch.randn(2, 8), 8, eps=eps)
     with pytest.raises(TypeError, match="eps must be a float"):

@@ -228,8 +228,7 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = None, *,
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"shardnorm.convert: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(keep_output, bool):  # "no" would keep the outputs
-        raise TypeError(f"shardnorm.convert: keep_output must be a bool, got {type(keep_output).__name__}")
+    output_recompute.check_keep_output(keep_output)  # before any swap: "no" would keep the outputs
     patterns = _patterns(classes, extra)
     swaps, converted, skipped = _replacements(model, patterns, extra)
     # for the log line: the classes as they were

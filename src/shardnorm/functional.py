@@ -54,6 +54,12 @@ def check_eps(eps) -> float:
     return eps
 
 
+def check_zero_centered(zero_centered) -> None:
+    """zero_centered_gamma is a bool: a string such as "no" would select the 1 + weight kernels by its truth value."""
+    if zero_centered is not False and zero_centered is not True:
+        raise TypeError(f"zero_centered_gamma must be a bool, got {type(zero_centered).__name__}")
+
+
 def _check(x: Tensor, residual, shape: tuple, weight, bias) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -100,8 +106,7 @@ def _norm(x, residual, normalized_shape: ShapeLike, weight, bias, eps, rms: bool
     it), or None for `resolve_eps`'s default."""
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if zero_centered is not False and zero_centered is not True:  # a string would select the 1 + weight kernels
-        raise TypeError(f"zero_centered_gamma must be a bool, got {type(zero_centered).__name__}")
+    check_zero_centered(zero_centered)
     shape = _shape(normalized_shape)
     eps = resolve_eps(None, x.dtype) if eps is None else check_eps(eps)
     _check(x, residual, shape, weight, bias)  # DTensors too: their shapes are the global ones

@@ -76,8 +76,7 @@ def _check_args(normalized_shape, eps, zero_centered_gamma) -> None:
     leave a float size to fail in torch.empty): the error names the argument at construction."""
     F._shape(normalized_shape)
     F.check_eps(eps)
-    if not isinstance(zero_centered_gamma, bool):
-        raise TypeError(f"zero_centered_gamma must be a bool, got {type(zero_centered_gamma).__name__}")
+    F.check_zero_centered(zero_centered_gamma)
 
 
 class LayerNorm(_FusedNorm, torch.nn.LayerNorm):
