@@ -6,7 +6,9 @@ fence changes how it runs:
 
 - `<!-- docs-test: ranks=2 -->`: in 2 processes (gloo), with `world_size`, `dp` = 1, `tp` = 2 and `mesh` (2-D,
   dims ("dp", "tp")) bound; `ranks=2 dp=2` makes dp = 2, tp = 1;
-- `<!-- docs-test: skip REASON -->`: not run; only where running is impossible on CPU (REASON must say why).
+- `<!-- docs-test: gpu REASON -->`: run on a GPU as written (no placeholders moved to the CPU), skipped where there
+  is none; only where running is impossible on CPU (REASON must say why);
+- `<!-- docs-test: skip REASON -->`: not run; only where running is impossible on any host here (REASON must say why).
 
 shardnorm's warnings that a `keep_output=False` norm keeps its output after all (outside a converted model's forward,
 or a gathered output without `RegatherColwiseParallel` consumers) fail the example: the recipes must act as written.
@@ -16,6 +18,7 @@ or a gathered output without `RegatherColwiseParallel` consumers) fail the examp
 temporary directory holding a link to configs/.
 """
 
+import contextlib
 import re
 import warnings
 from pathlib import Path
@@ -65,6 +68,10 @@ def _examples() -> list:
                 reason = marker[len("skip"):].strip()
                 assert reason, f"{name}: a docs-test skip marker must give its reason"
                 marks.append(pytest.mark.skip(reason=reason))
+            elif marker.startswith("gpu"):
+                reason = marker[len("gpu"):].strip()
+                assert reason, f"{name}: a docs-test gpu marker must give its reason"
+                marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason=reason))
             elif marker.startswith("ranks="):
                 marks.append(pytest.mark.distributed)
             params.append(pytest.param(name, marker, code, id=name, marks=marks))
@@ -84,8 +91,8 @@ def _namespace(root: str, code: str, seed: int) -> dict:
     return {**docs_prelude.namespace(root, seed), **docs_prelude.lazy_names(code, root)}
 
 
-def _run(code: str, name: str, names: dict) -> None:
-    with warnings.catch_warnings(), docs_prelude.cuda_as_cpu():
+def _run(code: str, name: str, names: dict, on_gpu: bool = False) -> None:
+    with warnings.catch_warnings(), (contextlib.nullcontext() if on_gpu else docs_prelude.cuda_as_cpu()):
         warnings.simplefilter("ignore")
         # an example whose keep_output=False would not act as written (a norm outside a converted model's forward,
         # a gathered output without RegatherColwiseParallel consumers) fails instead of keeping the outputs silently
@@ -133,8 +140,8 @@ def test_docs_example_runs(name, marker, code, tmp_path, monkeypatch):
             docs_prelude.tiny_hf_model_dir(str(tmp_path))
         spawn(_ranked_body, options["ranks"], str(tmp_path), name, code, options["dp"])
     else:
-        assert not marker, f"{name}: unknown docs-test marker {marker!r}"
+        assert not marker or marker.startswith("gpu"), f"{name}: unknown docs-test marker {marker!r}"
         print(f"seed 0: {name}")
-        _run(code, name, _namespace(str(tmp_path), code, seed=0))
+        _run(code, name, _namespace(str(tmp_path), code, seed=0), on_gpu=bool(marker))
     if not torch.cuda.is_available():
         torch.set_default_device(None)

@@ -310,3 +310,37 @@ def test_more_than_2_pow_31_elements(rms):
 def test_hidden_size_262144(backend, device, rms):
     """The largest hidden size the issue names, through the chunked path (fp32, 2 rows)."""
     run_case(device, 262144, rms, torch.float32, rows=2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n", [1000, LONG], ids=["one_pass", "long"])
+def test_tensors_on_another_gpu_than_the_current_one(rms, n):
+    """A model spread over GPUs in one process (HF's device_map="auto") calls norms on cuda:1 while cuda:0 is
+    current: the kernels must run on cuda:1, in order with its stream, and give what they give there as current
+    device. The input is made on a side stream of cuda:1 that cuda:1's current stream waits for, so a launch on
+    cuda:0 (unordered with it) could read it unfinished."""
+    seed = _seeded()
+    results = []
+    for current in (1, 0):
+        with torch.cuda.device(current):
+            other = torch.device("cuda", 1)
+            x = (torch.randn(64, n, generator=torch.Generator().manual_seed(seed)) * 2).to(other, torch.bfloat16)
+            norm = (shardnorm.RMSNorm if rms else shardnorm.LayerNorm)(n, device=other)
+            with torch.no_grad():
+                norm.weight.copy_(torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)))
+            side = torch.cuda.Stream(other)
+            with torch.cuda.stream(side):
+                x = (x * 1.5).requires_grad_()
+            torch.cuda.current_stream(other).wait_stream(side)
+            residual = x.detach() * 0.5
+            y, z = norm(x, residual)
+            (y.float() * z.float()).sum().backward()
+            torch.cuda.synchronize(other)
+            results.append([t.cpu() for t in (y, z, x.grad, norm.weight.grad)])
+    for mine, theirs in zip(*results):
+        assert torch.equal(mine, theirs), f"seed {seed}"
+    bias = getattr(norm, "bias", None)
+    expected = reference_norm(x.detach().cpu(), norm.weight.detach().cpu(), bias.detach().cpu() if bias is not None
+                              else None, residual.cpu(), norm.eps or torch.finfo(torch.bfloat16).eps, rms)
+    assert rel_err(results[1][0], expected) < TOL[torch.bfloat16], f"seed {seed}"

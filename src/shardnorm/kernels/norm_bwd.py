@@ -150,6 +150,9 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     """Launch the backward on 2-D tensors. Returns dx (src's dtype) and dweight, dbias in the
     weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias."""
     device = src.device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():  # launch.py: on_other_gpu
+        with torch.cuda.device(device):
+            return norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
     n = src.shape[1]
     kernels = config.specialized(device) if n >= config.MIN_LONG_N_BWD else ""  # short rows: one pass either way
     plan = _plan(n, weight.dtype if weight is not None else None, has_bias, dz is not None, rms, zero_centered,

@@ -186,6 +186,9 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     """Launch the forward kernel on 2-D x [M, N] (last dim contiguous). Returns y, z, mean, rstd;
     z is None without a residual, mean None for RMSNorm."""
     device = x.device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():  # launch.py: on_other_gpu
+        with torch.cuda.device(device):
+            return norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
     n = x.shape[1]
     param = weight if weight is not None else bias
     kernels = config.specialized(device) if n > config.MAX_FUSED_N_FWD else ""
