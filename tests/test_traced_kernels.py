@@ -178,5 +178,53 @@ def test_compiled_norm_is_inductors_launch_of_the_eager_kernels(case, monkeypatc
     assert not unequal, f"compiled differs from eager in {unequal}"
 
 
+# (N, RMSNorm, x dtype, residual): the one-pass backward with direct dgamma at small M and partial sums at larger M
+# (1024), a tail tile (5120), the split backward or on Hopper the staged one behind the opaque op (20000)
+DYNAMIC_CASES = [(1024, True, torch.bfloat16, False), (1024, False, torch.float32, True),
+                 (5120, True, torch.bfloat16, True), (20000, False, torch.bfloat16, False)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor launches the kernels on a GPU")
+@pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: f"{'rms' if c[1] else 'ln'}-{c[0]}-{str(c[2])[6:]}"
+                         f"{'-residual' if c[3] else ''}")
+def test_compiled_norm_with_dynamic_rows(case):
+    """torch.compile(dynamic=True), as automatic dynamic shapes make it after a second sequence length: the traced
+    bodies' grids, buffers and launch arguments are symbolic in the row count. Every row count runs the compiled
+    graph of the first (no recompile) and gives the eager call's outputs and grads bitwise."""
+    import shardnorm
+
+    n, rms, dtype, residual = case
+    torch.manual_seed(n)
+
+    def norm(x, r, w, b):
+        if r is None:
+            return (shardnorm.rms_norm(x, n, w, 1e-5) if rms else shardnorm.layer_norm(x, n, w, b, 1e-5)),
+        return shardnorm.add_rms_norm(x, r, n, w, 1e-5) if rms else shardnorm.add_layer_norm(x, r, n, w, b, 1e-5)
+
+    w = torch.randn(n, device="cuda").requires_grad_()
+    b = None if rms else torch.randn(n, device="cuda").requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(norm, fullgraph=True, dynamic=True)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        for m in (37, 2, 64, 300, 1000):  # several programs a row block, one row, direct and partial dgamma
+            x = torch.randn(m, n, device="cuda", dtype=dtype).requires_grad_()
+            r = torch.randn(m, n, device="cuda", dtype=dtype).requires_grad_() if residual else None
+            inputs = [t for t in (x, r, w, b) if t is not None]
+            results = []
+            for fn in (norm, compiled):
+                outs = fn(x, r, w, b)
+                gen = torch.Generator("cuda").manual_seed(m)
+                grads = torch.autograd.grad(outs, inputs, [torch.randn(o.shape, device="cuda", dtype=o.dtype,
+                                                                       generator=gen) for o in outs])
+                results.append([o.detach() for o in outs] + list(grads))
+            unequal = [i for i, (e, c) in enumerate(zip(*results)) if not torch.equal(e, c)]
+            assert not unequal, f"M = {m}: compiled differs from eager in outputs/grads {unequal}"
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames
+    finally:
+        torch._dynamo.reset()
+    assert graphs == 1, f"{graphs} graphs compiled for 5 row counts"
+
+
 if __name__ == "__main__":
     print(json.dumps(_analyse()))
