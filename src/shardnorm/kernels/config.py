@@ -65,10 +65,13 @@ class TileConfig:
 
     def programs(self, blocks: int, sm_count: int) -> int:
         """Programs to launch for `blocks` row blocks: one per block, or when persistent
-        `programs_per_sm` on every SM, at most one per block."""
+        `programs_per_sm` on every SM, at most one per block. GUARD_FREE (here and where marked): the traced bodies
+        compute grids from a symbolic row count, so min / max are torch.sym_min / sym_max, which Python's would
+        turn into guards on M (a recompile per regime; an error where the user marked M dynamic); on ints they are
+        min / max, cached per M in eager calls."""
         if not self.programs_per_sm:
             return blocks
-        return max(1, min(blocks, sm_count * self.programs_per_sm))
+        return torch.sym_max(1, torch.sym_min(blocks, sm_count * self.programs_per_sm))  # GUARD_FREE
 
 
 @dataclass(frozen=True)
@@ -256,7 +259,7 @@ def row_groups(cfg: SplitBwdConfig, m: int, n: int, sm_count: int) -> int:
     `programs_per_sm` programs on every SM; each group is one partial row."""
     col_tiles = cdiv(n, cfg.row_sums.block_n)
     wanted = cdiv(sm_count * cfg.row_sums.programs_per_sm, col_tiles)
-    return max(1, min(wanted, cdiv(m, cfg.row_sums.block_m)))
+    return torch.sym_max(1, torch.sym_min(wanted, cdiv(m, cfg.row_sums.block_m)))  # GUARD_FREE
 
 
 def per_m(cache: dict, m: int, make):
@@ -288,8 +291,11 @@ DIRECT_GRADS_MAX_ELEMENTS = 32768
 
 def direct_grads(cfg: BwdConfig, m: int, n: int) -> bool:
     """Whether the backward of M x N under `cfg` runs as one program that writes dgamma/dbeta
-    directly: one-pass tiles and at most DIRECT_GRADS_MAX_ELEMENTS."""
-    return isinstance(cfg, TileConfig) and m * n <= DIRECT_GRADS_MAX_ELEMENTS
+    directly: one-pass tiles and at most DIRECT_GRADS_MAX_ELEMENTS. Never for a traced call's symbolic M (GUARD_FREE):
+    the choice would be a guard on M, which recompiles a dynamic-shape graph at the threshold and fails one whose row
+    count the user marked dynamic (`torch._dynamo.mark_dynamic`); such a call takes the partial sums, equal to the
+    direct ones up to their fp32 summation order."""
+    return isinstance(cfg, TileConfig) and type(m) is int and m * n <= DIRECT_GRADS_MAX_ELEMENTS
 
 
 @functools.lru_cache(maxsize=None)
