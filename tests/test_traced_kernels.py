@@ -125,6 +125,17 @@ def _case_id(case):
     return f"{'rms' if rms else 'ln'}-{m}x{n}-{str(dtype)[6:]}-w{str(wdtype)[6:]}{'-residual' if residual else ''}"
 
 
+def _norm_call(n: int, rms: bool):
+    """norm(x, residual or None, weight, bias) -> the functional call's outputs as a tuple."""
+    import shardnorm
+
+    def norm(x, r, w, b):
+        if r is None:
+            return (shardnorm.rms_norm(x, n, w, 1e-5) if rms else shardnorm.layer_norm(x, n, w, b, 1e-5)),
+        return shardnorm.add_rms_norm(x, r, n, w, 1e-5) if rms else shardnorm.add_layer_norm(x, r, n, w, b, 1e-5)
+    return norm
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor launches the kernels on a GPU")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_compiled_norm_is_inductors_launch_of_the_eager_kernels(case, monkeypatch):
@@ -132,19 +143,13 @@ def test_compiled_norm_is_inductors_launch_of_the_eager_kernels(case, monkeypatc
     same kernels, configs and grids), and rows that fit the portable kernels (N <= 8192) run no launcher of
     shardnorm's per compiled call (Inductor launches the kernels; long rows on Hopper keep the staged kernels
     behind an opaque op). Inductor's analysis of the kernels reports no failure (it would copy every input)."""
-    import shardnorm
-
     m, n, rms, dtype, wdtype, residual = case
     torch.manual_seed(n)
     leaf = lambda *shape, dt: torch.randn(*shape, device="cuda", dtype=dt).requires_grad_()  # noqa: E731
     x, r = leaf(m, n, dt=dtype), leaf(m, n, dt=dtype) if residual else None
     w, b = leaf(n, dt=wdtype), None if rms else leaf(n, dt=wdtype)
     inputs = [t for t in (x, r, w, b) if t is not None]
-
-    def norm(x, r, w, b):
-        if r is None:
-            return (shardnorm.rms_norm(x, n, w, 1e-5) if rms else shardnorm.layer_norm(x, n, w, b, 1e-5)),
-        return shardnorm.add_rms_norm(x, r, n, w, 1e-5) if rms else shardnorm.add_layer_norm(x, r, n, w, b, 1e-5)
+    norm = _norm_call(n, rms)
 
     def run(fn):
         outs = fn(x, r, w, b)
@@ -217,17 +222,12 @@ def test_compiled_norm_with_dynamic_rows(case):
     size of 1). Outputs and grads are the eager call's bitwise, except dgamma/dbeta where the eager call writes them
     from one program (M x N <= config.DIRECT_GRADS_MAX_ELEMENTS) and the compiled one sums partial rows: there within
     fp32 rounding."""
-    import shardnorm
     from conftest import rel_err
     from shardnorm.kernels import config
 
     n, rms, dtype, residual = case
     torch.manual_seed(n)
-
-    def norm(x, r, w, b):
-        if r is None:
-            return (shardnorm.rms_norm(x, n, w, 1e-5) if rms else shardnorm.layer_norm(x, n, w, b, 1e-5)),
-        return shardnorm.add_rms_norm(x, r, n, w, 1e-5) if rms else shardnorm.add_layer_norm(x, r, n, w, b, 1e-5)
+    norm = _norm_call(n, rms)
 
     w = torch.randn(n, device="cuda").requires_grad_()
     b = None if rms else torch.randn(n, device="cuda").requires_grad_()
