@@ -83,3 +83,52 @@ def test_first_order_grads_unchanged_by_create_graph(backend, device):
     graph = torch.autograd.grad(y, (x, w, b), dy, create_graph=True)
     for p, g in zip(plain, graph):
         assert rel_err(g, p) < 1e-5
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_norm_fwd_op_has_the_norms_grads(backend, device, rms, residual):
+    """`torch.ops.shardnorm.norm_fwd` called on its own under autograd (what a torch.export-ed model runs): its
+    grads, first and second order, are the functional call's bitwise (the same backend and math)."""
+    torch.manual_seed(0)
+    n = 40
+    leaf = lambda *shape: torch.randn(*shape, device=device).requires_grad_()  # noqa: E731
+    x, w, b = leaf(6, n), leaf(n), None if rms else leaf(n)
+    r = leaf(6, n) if residual else None
+    inputs = [t for t in (x, r, w, b) if t is not None]
+
+    def functional():
+        if rms:
+            return shardnorm.add_rms_norm(x, r, n, w, 1e-5) if residual else (shardnorm.rms_norm(x, n, w, 1e-5),)
+        return shardnorm.add_layer_norm(x, r, n, w, b, 1e-5) if residual else \
+            (shardnorm.layer_norm(x, n, w, b, 1e-5),)
+
+    def op():
+        y, z, _, _ = torch.ops.shardnorm.norm_fwd(x, w, b, r, 1e-5, rms, False)
+        return (y, z) if residual else (y,)
+
+    results = []
+    for fn in (functional, op):
+        outs = fn()
+        loss = sum((o * torch.linspace(-1, 1, n, device=device, dtype=o.dtype)).square().sum() for o in outs)
+        grads = torch.autograd.grad(loss, inputs, create_graph=True)
+        second = torch.autograd.grad(sum(g.square().sum() for g in grads), inputs)
+        results.append([o.detach() for o in outs] + [g.detach() for g in grads] + list(second))
+    unequal = [i for i, (a, e) in enumerate(zip(*results)) if not torch.equal(a, e)]
+    assert not unequal, f"the op's outputs / grads differ from the functional call's at {unequal}"
+
+
+def test_exported_model_trains_like_the_eager_one(backend, device):
+    """torch.export (non-strict, the default) inlines the norms' autograd.Function into `shardnorm::norm_fwd`: the
+    exported module runs with grad mode on and gives the eager model's grads."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), shardnorm.RMSNorm(16), torch.nn.Linear(16, 16),
+                                shardnorm.LayerNorm(16)).to(device)
+    x = torch.randn(3, 16, device=device)
+    exported = torch.export.export(model, (x,)).module()
+    assert any(n.target is torch.ops.shardnorm.norm_fwd.default for n in exported.graph.nodes)
+    for m in (model, exported):
+        m(x).square().sum().backward()
+    theirs = dict(exported.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, theirs[name].grad), name

@@ -8,7 +8,9 @@ One autograd node, `_NormFunction`, takes every call; its forward and backward r
   rather than the kernels' output allocations, so selective activation checkpointing's policy can save or
   recompute it as a whole; a tensor subclass's dispatch unwraps its tensors.
 
-The ops are Triton ops (`torch.library.triton_op`) with no autograd of their own (the Function is their autograd).
+The ops are Triton ops (`torch.library.triton_op`). The Function is the autograd of every norm call; `norm_fwd` also
+has a formula of its own (its backward `norm_bwd`), for graphs that hold the op without the Function (torch.export
+inlines an autograd.Function's forward); `norm_bwd` has none (a call autograd would record raises).
 Compiled, AOTAutograd decomposes them into what their bodies record: on CUDA the plans' allocations and kernels,
 which Inductor launches from its generated code, so a compiled call runs none of shardnorm's Python (where Inductor
 cannot launch a kernel, an opaque op over the launchers: at the ops below). Called on real tensors they run the
@@ -96,9 +98,9 @@ _NO_AUTOGRAD = ("shardnorm::{} has no autograd of its own: for grads call shardn
 
 
 def _refuse_grad(op: str, *tensors: Optional[Tensor]) -> None:
-    """The ops have no autograd of their own: a call that autograd would record (grad mode on, an input requiring
-    grad) gets an error rather than outputs whose grads would be silently missing. The Function calls them with
-    grad mode off, as compiled graphs do."""
+    """The launch ops have no autograd of their own: a call that autograd would record (grad mode on, an input
+    requiring grad) gets an error rather than outputs whose grads would be silently missing. The Function calls them
+    with grad mode off, as compiled graphs do."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError(_NO_AUTOGRAD.format(op))
 
@@ -191,10 +193,34 @@ def _no_autograd(op: str):
 
 
 def _unreachable_backward(ctx, *grads):
-    raise AssertionError("shardnorm's ops record no autograd node (their setup_context raises)")
+    raise AssertionError("shardnorm::norm_bwd records no autograd node (its setup_context raises)")
 
 
-_norm_fwd_op.register_autograd(_unreachable_backward, setup_context=_no_autograd("norm_fwd"))
+def _norm_fwd_setup(ctx, inputs, output):
+    x, weight, bias, residual, eps, rms, zero_centered = inputs
+    _, z, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.flags = (bias is not None, residual is not None, rms, zero_centered, eps)
+    ctx.save_for_backward(z if residual is not None else x, weight, None if rms else mean, rstd)
+
+
+def _norm_fwd_backward(ctx, dy, dz, _mean, _rstd):
+    """`norm_fwd`'s own grads, for a graph that holds the op without the norms' Function: torch.export (non-strict)
+    inlines an autograd.Function's forward, so an exported model's norms are this op, run under autograd when the
+    exported module is called with grad mode on. The Function's backward by the op pair: `norm_bwd`, or with grad
+    mode on (create_graph) the differentiable torch math from the saved input."""
+    has_bias, has_residual, rms, zero_centered, eps = ctx.flags
+    src, weight, mean, rstd = ctx.saved_tensors
+    run = norm_bwd
+    if torch.is_grad_enabled():
+        mean, rstd = reference.statistics(src, eps, rms)
+        run = reference.norm_bwd
+    dx, dweight, dbias = run(dy, dz if has_residual else None, src, weight, mean, rstd, has_bias, rms, zero_centered)
+    return (dx, dweight if weight is not None else None, dbias if has_bias else None, dx if has_residual else None,
+            None, None, None)
+
+
+_norm_fwd_op.register_autograd(_norm_fwd_backward, setup_context=_norm_fwd_setup)
 _norm_bwd_op.register_autograd(_unreachable_backward, setup_context=_no_autograd("norm_bwd"))
 norm_fwd = torch.ops.shardnorm.norm_fwd.default
 norm_bwd = torch.ops.shardnorm.norm_bwd.default
