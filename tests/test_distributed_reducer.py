@@ -556,3 +556,55 @@ def test_attach_reducer_tags_only_the_norm_params():
         owned = name.startswith("1.norms.")
         assert (getattr(p, REDUCER_ATTR, None) is reducer) == owned, f"{name}: {vars(p)}"
     assert not any(hasattr(m, REDUCER_ATTR) for m in model.modules() if m is not model)
+
+
+class _GatheredBlock(nn.Module):
+    """x + out(up(norm(x))): the README's sequence-parallel recipe in one block, the norm gathering its output for
+    a `RegatherColwiseParallel` consumer."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = shardnorm.RMSNorm(HIDDEN)
+        self.up, self.out = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + self.out(torch.relu(self.up(self.norm(x))))
+
+
+def _deep_copies(rank, world_size, seed):
+    import copy
+
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from shardnorm.distributed import RegatherColwiseParallel, reducer_of
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    torch.manual_seed(seed)
+    for keep_output in (True, False):
+        model = _GatheredBlock().to(rank_device(rank))
+        model.norm.keep_output = keep_output
+        parallelize_module(model, mesh, {"norm": SequenceParallelNorm(output_layouts=Replicate()),
+                                         "up": RegatherColwiseParallel(),
+                                         "out": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+        attach_reducer(model)
+        x = distribute_tensor(torch.randn(2, 4 * world_size, HIDDEN, device=rank_device(rank)), mesh, [Shard(1)])
+
+        def step(m):
+            m.zero_grad()
+            m(x).square().sum().backward()
+            return {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+
+        first = step(model)
+        twin = copy.deepcopy(model)  # an EMA copy, torch.optim.swa_utils.AveragedModel: deepcopy(model)
+        assert reducer_of(twin) is None and reducer_of(model) is not None
+        attach_reducer(twin)
+        theirs, again = step(twin), step(model)
+        for name, grad in first.items():
+            assert torch.equal(theirs[name], grad) and torch.equal(again[name], grad), (keep_output, name)
+
+
+def test_deep_copy_of_a_model_with_a_reducer():
+    """copy.deepcopy of a sequence-parallel model with a reducer (and a gathering keep_output=False norm): the copy
+    has no reducer (a reducer holds process groups, which do not copy) until `attach_reducer(copy)`, then trains
+    as the original does, which keeps its own. Failed with `cannot pickle ProcessGroup`."""
+    spawn(_deep_copies, 2, 11)

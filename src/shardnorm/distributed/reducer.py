@@ -134,6 +134,9 @@ class GradSink:
     def __init__(self, tensor: torch.Tensor, group, param):
         self.tensor, self.group, self.param = tensor, group, param
 
+    def __deepcopy__(self, memo):
+        return None  # a copied parameter has no sink: NormGradReducer.__deepcopy__
+
 
 class _Bucket:
     """A contiguous range of a flat buffer, reduced with one collective.
@@ -292,6 +295,13 @@ class NormGradReducer:
         since drops them)."""
         return any(s.touched or s.stashed and s.param.grad is not None for s in self._slots.values()) \
             or self.source.pending
+
+    def __deepcopy__(self, memo):
+        """A deep copy of the model (an EMA copy; torch.optim.swa_utils.AveragedModel) gets no reducer: a reducer
+        holds process groups, which do not copy, and its buffers and pending sums belong to the original's
+        parameters. The copy's norm grads are `Partial`, as before `attach_reducer`; `attach_reducer(copy)` gives
+        it its own reducer (tests/test_distributed_reducer.py)."""
+        return None
 
     def sink(self, param, group) -> GradSink:
         """A grad sink for `param`, whose partial sums are reduced over `group` (`NormBackward.bind`)."""

@@ -92,6 +92,9 @@ class _NormGathers:
     def __init__(self, mesh):
         self.group, self.world, self.taken = mesh.get_group(0), mesh.size(), False
 
+    def __deepcopy__(self, memo):
+        return None  # a copied norm makes its own at its first gathering forward (`attach`): groups do not copy
+
 
 def _fingerprint(t: Tensor) -> Tensor:
     return torch.sum(t, dtype=torch.float32)

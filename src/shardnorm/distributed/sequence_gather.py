@@ -26,13 +26,21 @@ def gather_sequence(y: DTensor, owner: nn.Module) -> DTensor:
         return y.redistribute(placements=_REPLICATE)
     cache = owner.__dict__.get("_shardnorm_gather")
     if cache is None:
-        cache = owner.__dict__["_shardnorm_gather"] = {}
+        cache = owner.__dict__["_shardnorm_gather"] = _GatherCache()
     group = cache.get("group")
     if group is None:
         group = cache["group"] = y.device_mesh.get_group(0)
     if not _local_path(y, group.size()):
         return y.redistribute(placements=_REPLICATE)
     return _GatherSequence.apply(y, group, cache)
+
+
+class _GatherCache(dict):
+    """A gathering module's specs and group: a deep copy of the module (an EMA copy) starts with an empty one, as
+    process groups do not copy."""
+
+    def __deepcopy__(self, memo):
+        return _GatherCache()
 
 
 def start_gather(local: Tensor, group):
