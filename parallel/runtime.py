@@ -100,8 +100,8 @@ def release_deepspeed_shm(rank: int, world_size: int) -> None:
     """Unlink this rank's DeepSpeed shared-memory workspace once every rank has mapped every workspace.
 
     DeepSpeed never unlinks it: every CPU run would leave 66 MB per rank in /dev/shm, RAM held until a reboot, and
-    a later run on the same port could map a stale one. The mappings keep the memory until the processes exit. Every rank decides the same way (the same environment on one
-    machine), so all or none reach the barrier."""
+    a later run on the same port could map a stale one. The mappings keep the memory until the processes exit.
+    Every rank decides the same way (the same environment on one machine), so all or none reach the barrier."""
     from deepspeed import comm
 
     backend = getattr(comm.comm, "cdb", None)

@@ -207,17 +207,12 @@ def _norm_fwd_setup(ctx, inputs, output):
 def _norm_fwd_backward(ctx, dy, dz, _mean, _rstd):
     """`norm_fwd`'s own grads, for a graph that holds the op without the norms' Function: torch.export (non-strict)
     inlines an autograd.Function's forward, so an exported model's norms are this op, run under autograd when the
-    exported module is called with grad mode on. The Function's backward by the op pair: `norm_bwd`, or with grad
-    mode on (create_graph) the differentiable torch math from the saved input."""
+    exported module is called with grad mode on. The Function's backward (`_grads`) by the op pair."""
     has_bias, has_residual, rms, zero_centered, eps = ctx.flags
     src, weight, mean, rstd = ctx.saved_tensors
-    run = norm_bwd
-    if torch.is_grad_enabled():
-        mean, rstd = reference.statistics(src, eps, rms)
-        run = reference.norm_bwd
-    dx, dweight, dbias = run(dy, dz if has_residual else None, src, weight, mean, rstd, has_bias, rms, zero_centered)
-    return (dx, dweight if weight is not None else None, dbias if has_bias else None, dx if has_residual else None,
-            None, None, None)
+    dx, dweight, dbias = _grads(norm_bwd, dy, dz if has_residual else None, src, weight, mean, rstd, has_bias, rms,
+                                zero_centered, eps)
+    return dx, dweight, dbias, (dx if has_residual else None), None, None, None
 
 
 _norm_fwd_op.register_autograd(_norm_fwd_backward, setup_context=_norm_fwd_setup)
@@ -317,20 +312,17 @@ class _NormFunction(torch.autograd.Function):
         if dy is None:  # only z was used
             dy = torch.zeros(src.shape, dtype=y_dtype, device=src.device)
         dz = dz if has_residual else None
-        if torch.is_grad_enabled():  # create_graph: differentiable math, statistics recomputed from src
+        if torch.is_grad_enabled():  # create_graph: `_grads` differentiates, from x (or z) and the weight as passed
             if len(saved) > 4:
                 src, weight = _differentiable_inputs(shards, sink_w, saved[4], saved[5])
-            mean, rstd = reference.statistics(src, eps, rms)
-            run_bwd = reference.norm_bwd
+            run_bwd = None
         else:
             if direct:
                 if type(dy) not in _PLAIN or type(dz) not in _PLAIN:
                     dy, dz = _ready(dy), _ready(dz)
                     direct = _eager_ok(dy, dz)
             run_bwd = _backward_kernels if direct else norm_bwd
-        dx, dweight, dbias = run_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
-        dweight = dweight if weight is not None else None
-        dbias = dbias if has_bias else None
+        dx, dweight, dbias = _grads(run_bwd, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, eps)
         to_w, to_b = (None if sink_w else dweight), (None if sink_b else dbias)
         dres = None
         if shards is not None:
@@ -341,6 +333,18 @@ class _NormFunction(torch.autograd.Function):
         elif has_residual:
             dres = dx
         return dx, to_w, to_b, dres, dweight if sink_w else None, dbias if sink_b else None, None
+
+
+def _grads(run_bwd, dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool, eps: float):
+    """(dx, dweight or None, dbias or None) of the norm of `src`, by `run_bwd` (a backward of the kernels' signature);
+    with grad mode on (a create_graph backward) by the differentiable torch math instead, the statistics recomputed
+    from src, so that second-order grads are torch's. The backward of both autograd nodes: the Function's and the
+    `norm_fwd` op's own."""
+    if torch.is_grad_enabled():
+        mean, rstd = reference.statistics(src, eps, rms)
+        run_bwd = reference.norm_bwd
+    dx, dweight, dbias = run_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
+    return dx, (dweight if weight is not None else None), (dbias if has_bias else None)
 
 
 def _differentiable_inputs(shards, routed_w: bool, x_or_z, weight):

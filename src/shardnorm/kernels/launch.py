@@ -7,7 +7,7 @@ argument on, plus the device: at least as fine as Triton's key (tests/test_launc
 passes the tensors themselves, so Triton's launcher still checks that their memory is on a GPU. The
 interpreter always takes the plain path. Triton's internals stay in this file.
 
-on_other_gpu: a launch goes to the current device and its current stream (Triton's driver), so the plans' entry
+Another GPU current: a launch goes to the current device and its current stream (Triton's driver), so the plans' entry
 points (`norm_fwd`, `norm_bwd`) move to their tensors' GPU first where it is another one: a model spread over GPUs
 in one process (HF's `device_map="auto"`) calls norms on cuda:1 while cuda:0 is current, and the launch would
 otherwise run on cuda:0, out of order with cuda:1's stream (or fail in Triton's pointer check). The check costs a

@@ -150,7 +150,7 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     """Launch the backward on 2-D tensors. Returns dx (src's dtype) and dweight, dbias in the
     weight's dtype (fp32 without a weight), reduced in fp32; None where there is no weight / bias."""
     device = src.device
-    if device.type == "cuda" and device.index != torch.cuda.current_device():  # launch.py: on_other_gpu
+    if device.type == "cuda" and device.index != torch.cuda.current_device():  # another GPU is current: launch.py
         with torch.cuda.device(device):
             return norm_bwd(dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered)
     n = src.shape[1]

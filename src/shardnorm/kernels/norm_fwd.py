@@ -186,7 +186,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, rms: bool, zero_centered: bo
     """Launch the forward kernel on 2-D x [M, N] (last dim contiguous). Returns y, z, mean, rstd;
     z is None without a residual, mean None for RMSNorm."""
     device = x.device
-    if device.type == "cuda" and device.index != torch.cuda.current_device():  # launch.py: on_other_gpu
+    if device.type == "cuda" and device.index != torch.cuda.current_device():  # another GPU is current: launch.py
         with torch.cuda.device(device):
             return norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
     n = x.shape[1]
