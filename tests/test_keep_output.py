@@ -871,6 +871,63 @@ def test_output_written_behind_autograd_raises(device):
     kept(x).sum().backward()  # the option off: the consumers saved the written output itself
 
 
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits (torch.equal holds NaN unequal to itself)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return a.dtype == b.dtype and torch.equal(a.view(ints[a.element_size()]), b.view(ints[b.element_size()]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_rows_recompute_as_they_were(device, bad):
+    """A row with a NaN or an Inf (an fp16 overflow, which GradScaler answers by skipping the step): its statistics
+    and output are NaN in the forward and again in the recompute, which is no change. The backward gives the option
+    off's grads, NaNs in the same places, instead of a KeepOutputError (value comparisons hold NaN != NaN)."""
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(4)).to(device)
+    x[1, 5] = bad
+
+    def grads(keep):
+        parent = _Parent(keep).to(device)
+        x_ = x.clone().requires_grad_()
+        parent(x_).sum().backward()
+        read_checks(lambda: parent(x))
+        return [x_.grad] + [p.grad for p in parent.parameters()]
+
+    got, want = grads(False), grads(True)
+    assert not torch.isfinite(want[0]).all()
+    assert all(_bitwise_equal(a, b) for a, b in zip(got, want))
+
+
+def _nudge_one_element(module, args, y):
+    """Behind autograd (no version bump), set y's smallest element (a 0) to the smallest normal number of its
+    dtype: a change an fp32 sum of y's values rounds away, but the consumers' forward then reads other values than a
+    recompute gives."""
+    with torch.no_grad():
+        alias = torch.empty(0, dtype=y.dtype, device=y.device).set_(y.untyped_storage(), y.storage_offset(),
+                                                                      y.shape, y.stride())
+        flat = alias.view(-1)
+        flat[flat.abs().argmin()] = torch.finfo(y.dtype).tiny
+
+
+def test_small_write_behind_autograd_raises(device):
+    """The `.data`-write check compares the bits: one element of a 64 x 4096 bf16 output moved from 0 to 1e-38 (a
+    float sum of the values does not see it: checked below) still raises."""
+    torch.manual_seed(6)
+    parent = torch.nn.Sequential(shardnorm.RMSNorm(4096, keep_output=False), torch.nn.Linear(4096, 8)).to(
+        device=device, dtype=torch.bfloat16)
+    scoped(parent)
+    x = (torch.randn(64, 4096, device=device) * 10).to(torch.bfloat16)
+    x[0, 0] = 0  # y's smallest element is 0
+    y = parent[0](x)
+    nudged = y.clone()
+    _nudge_one_element(None, None, nudged)
+    assert not torch.equal(nudged, y)
+    assert torch.sum(nudged, dtype=torch.float32) == torch.sum(y, dtype=torch.float32)
+    parent[0].register_forward_hook(_nudge_one_element)
+    with pytest.raises(KeepOutputError, match="written after the norm's forward"):
+        parent(x.requires_grad_()).float().sum().backward()
+        read_checks(lambda: parent(x))
+
+
 def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     """The order in which a GPU backward's checks are read (`output_recompute.check_equal`), with events standing in
     for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, the

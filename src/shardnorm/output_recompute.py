@@ -19,7 +19,7 @@ version, which unpack checks as autograd itself would (hooks turn off autograd's
 backward recomputes the output with the same kernel on the same input, the others share it. The user's tensor is
 never touched: y's memory goes when nothing holds it any more, and stays, correct, where something does. An input
 changed in place (version counter) or through `.data` (the recompute's statistics against the forward's, bitwise),
-or an output written behind autograd before a consumer saved it (an fp32 sum), raises `KeepOutputError`; on a
+or an output written behind autograd before a consumer saved it (a checksum of its bits), raises `KeepOutputError`; on a
 GPU a backward's flags go to the host in one asynchronous copy, read once it has landed (`check_equal`).
 
 Under torch.compile the hooks step aside; a norm with keep_output=False is traced inside a selective
@@ -279,11 +279,30 @@ def derive(out: Tensor, src: Tensor, transform: Callable[[Tensor], Tensor]) -> N
         _track(out, lambda: transform(make()))
 
 
-def _fingerprint(t: Tensor) -> Tensor:
-    """An fp32 sum of this rank's values of `t` (a device scalar, no sync): the recompute is bitwise the output, so a
-    different sum means the output the consumer saw was written after the norm made it."""
-    local = _torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t
-    return torch.sum(local.detach(), dtype=torch.float32)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> its bits as an int
+
+
+def fingerprint(t: Tensor) -> Tensor:
+    """A checksum of the bits of this rank's part of `t` (a device scalar, no sync): the recompute is bitwise the
+    output, so a different checksum means the output the consumer saw was written after the norm made it.
+
+    An integer sum of the bit patterns, not a float sum of the values: exact (any one changed element changes it,
+    where an fp32 sum rounds a small change away) and equal for equal bits (NaN and Inf included: a NaN output
+    compares equal to itself). On a GPU it sums 32-bit words in int32, wrapping, at the speed of an fp32 sum (30 vs
+    31 us over a 64 MiB bf16 output on an H200; an int64 accumulator takes 109 us); integer addition in any order
+    gives one result, so both sides' checksums are equal exactly where the bits are."""
+    local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
+    if local.is_contiguous() and local.numel() * local.element_size() % 4 == 0 \
+            and local.storage_offset() * local.element_size() % 4 == 0:
+        words = local.reshape(-1).view(torch.int32)
+    else:
+        words = local.view(_BITS[local.element_size()])
+    return words.sum(dtype=torch.int32 if words.is_cuda else torch.int64)
+
+
+def _bits(t: Tensor) -> Tensor:
+    """`t` as the integers of its bits, for comparisons that hold NaN equal to the same NaN."""
+    return t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
 
 
 class _Saved:
@@ -296,7 +315,7 @@ class _Saved:
         self.handle, self.view, self.dtensor = handle, None, None
         handle.saves += 1
         with torch.no_grad():
-            self.fingerprint = _fingerprint(t)
+            self.fingerprint = fingerprint(t)
         if _torch_compat.is_dtensor(t):
             if getattr(t, _ATTR, None) is handle:  # the tracked DTensor itself
                 return
@@ -312,7 +331,7 @@ class _Saved:
         with torch.no_grad():
             recomputed = sums.get(self.view)
             if recomputed is None:
-                recomputed = sums[self.view] = _fingerprint(out)
+                recomputed = sums[self.view] = fingerprint(out)
         check_equal(recomputed, self.fingerprint, changed_output_error)
         return out
 
@@ -468,7 +487,7 @@ def check_equal(a: Tensor, b: Tensor, error) -> None:
     then and a set one reported on stderr (the last backward of a run)."""
     task = _torch_compat.current_graph_task_id()
     if a.device.type == "cpu" or task == -1:
-        if torch.ne(a, b).any().item():
+        if torch.ne(_bits(a), _bits(b)).any().item():
             raise error()
         return
     with _pending_lock:
@@ -487,7 +506,7 @@ def _compare(pending: list) -> tuple[Tensor, list]:
         groups.setdefault((a.shape, a.dtype), []).append((a, b, error))
     flags, errors = [], []
     for same in groups.values():
-        differ = torch.ne(torch.stack([a for a, _, _ in same]), torch.stack([b for _, b, _ in same]))
+        differ = torch.ne(_bits(torch.stack([a for a, _, _ in same])), _bits(torch.stack([b for _, b, _ in same])))
         flags.append(differ.flatten(1).any(1) if differ.dim() > 1 else differ)
         errors += [error for _, _, error in same]
     return (flags[0] if len(flags) == 1 else torch.cat(flags)), errors

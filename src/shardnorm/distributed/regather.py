@@ -10,8 +10,8 @@ one gather serving every consumer as in torchtitan's `AllGatherLinearMulti`). No
 consumers own their saves, and a model without such consumers runs as torch runs it.
 
 Checked, not assumed: the norm's input changed after the forward (version counter, or the recompute's statistics
-against the forward's), and the gathered output written behind autograd before a consumer read it (an fp32 sum of
-what each consumer read against the re-gathered copy's); either raises `KeepOutputError`
+against the forward's), and the gathered output written behind autograd before a consumer read it (a checksum of the
+bits each consumer read against the re-gathered copy's); either raises `KeepOutputError`
 (on a GPU as soon as the backward's flags reach the host: `output_recompute.check_equal`).
 
 Under torch.compile the consumers run torch's linear and a selective checkpoint recomputes the norm and the gather
@@ -69,13 +69,13 @@ class GatheredOutput:
                 self.value = as_dtensor(local, *self.spec).redistribute(placements=(Replicate(),)).to_local()
 
     def take(self, seen: Tensor) -> Tensor:
-        """The gathered output again; `seen`: the fp32 sum of what this consumer's forward read."""
+        """The gathered output again; `seen`: the checksum of what this consumer's forward read (`fingerprint`)."""
         if self.value is None:
             self.value = sequence_gather.gathered(self.work, self.dim, self.norm.world, self.local_shape, self.spec[2])
             self.work = None
         value = self.value
         if self.fingerprint is None:
-            self.fingerprint = _fingerprint(value)
+            self.fingerprint = output_recompute.fingerprint(value)
         output_recompute.check_equal(self.fingerprint, seen, output_recompute.changed_output_error)
         self.unread -= 1
         if self.unread <= 0:  # every consumer of this backward has it: nothing holds a copy between backwards
@@ -96,9 +96,6 @@ class _NormGathers:
         return None  # a copied norm makes its own at its first gathering forward (`attach`): groups do not copy
 
 
-def _fingerprint(t: Tensor) -> Tensor:
-    return torch.sum(t, dtype=torch.float32)
-
 
 class _RegatherLinear(torch.autograd.Function):
     """F.linear of a `Replicate` DTensor `x` and this rank's column shard (`weight`, `bias`: `Shard(0)` DTensors) on
@@ -116,7 +113,7 @@ class _RegatherLinear(torch.autograd.Function):
         ctx.param_meta = [(p.shape, p.stride()) if p is not None else None for p in (weight, bias)]
         if gathered is not None:
             gathered.taken()
-            ctx.seen = _fingerprint(x_local)
+            ctx.seen = output_recompute.fingerprint(x_local)
             ctx.save_for_backward(w)
         else:
             ctx.save_for_backward(w, x_local)
