@@ -928,6 +928,27 @@ def test_small_write_behind_autograd_raises(device):
         read_checks(lambda: parent(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(4, 6, 8), (3, 5, 7)], ids=["even", "odd"])
+def test_fingerprint_is_exact_and_follows_the_bits(device, dtype, shape):
+    """`output_recompute.fingerprint`, the `.data`-write check's checksum: the same bits give the same checksum in any
+    layout (the re-gather compares a gathered copy with what the consumer read), NaN included; flipping any one bit
+    of any one element changes it."""
+    g = torch.Generator().manual_seed(8)
+    t = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    t.view(-1)[3] = float("nan")
+    same = [t.clone(), t.transpose(0, 1).contiguous().transpose(0, 1), t.permute(2, 0, 1).contiguous().permute(1, 2, 0)]
+    want = output_recompute.fingerprint(t)
+    assert all(torch.equal(output_recompute.fingerprint(u), want) for u in same)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    for i in torch.randint(0, t.numel(), (6,), generator=g).tolist():
+        for bit in (0, 8 * t.element_size() - 1, int(torch.randint(1, 8 * t.element_size() - 1, (), generator=g))):
+            flipped = t.clone()
+            word = flipped.view(bits).view(-1)
+            word[i] ^= torch.tensor(1, dtype=torch.int64).bitwise_left_shift(bit).to(bits)
+            assert not torch.equal(output_recompute.fingerprint(flipped), want), (i, bit)
+
+
 def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     """The order in which a GPU backward's checks are read (`output_recompute.check_equal`), with events standing in
     for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, the

@@ -292,12 +292,21 @@ def fingerprint(t: Tensor) -> Tensor:
     31 us over a 64 MiB bf16 output on an H200; an int64 accumulator takes 109 us); integer addition in any order
     gives one result, so both sides' checksums are equal exactly where the bits are."""
     local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
-    if local.is_contiguous() and local.numel() * local.element_size() % 4 == 0 \
-            and local.storage_offset() * local.element_size() % 4 == 0:
-        words = local.reshape(-1).view(torch.int32)
-    else:
-        words = local.view(_BITS[local.element_size()])
-    return words.sum(dtype=torch.int32 if words.is_cuda else torch.int64)
+    return _words(local).sum(dtype=torch.int32 if local.is_cuda else torch.int64)
+
+
+def _words(t: Tensor) -> Tensor:
+    """`t`'s elements as integers: 2-byte and 1-byte ones as 32-bit words of consecutive elements of a row where the
+    row's bytes are a multiple of 4 (as 16-bit integers they sum at a third of the speed: 106 vs 30 us over 64 MiB
+    of bf16 on an H200), else each as an integer of its size. Words never span rows, so a tensor and a copy of it in
+    another layout read the same words."""
+    size = t.element_size()
+    if size >= 4 or t.dim() == 0 or t.shape[-1] * size % 4:
+        return t.view(_BITS[size])
+    try:
+        return t.view(torch.int32)
+    except RuntimeError:  # rows not contiguous, or at an odd offset: a copy (a layout no norm output has)
+        return t.contiguous().view(torch.int32)
 
 
 def _bits(t: Tensor) -> Tensor:
