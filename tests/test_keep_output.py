@@ -949,6 +949,36 @@ def test_fingerprint_is_exact_and_follows_the_bits(device, dtype, shape):
             assert not torch.equal(output_recompute.fingerprint(flipped), want), (i, bit)
 
 
+def test_dispatch_mode_sees_the_recompute_as_the_op(device):
+    """A TorchDispatchMode around the backward alone (a FLOP or memory counter, a debug mode) sees each recompute as
+    the op the forward ran, `shardnorm.norm_fwd`, and the norm's backward as `shardnorm.norm_bwd`, as it sees every
+    other op of the backward; the grads stay the option off's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def grads(keep):
+        parent = _Parent(keep).to(device)
+        x = torch.randn(3, H, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
+        loss = parent(x).square().sum()
+        mode = Ops()
+        with mode:
+            loss.backward()
+        return [x.grad] + [p.grad for p in parent.parameters()], mode.seen
+
+    (got, seen), (want, seen_off) = grads(False), grads(True)
+    assert seen.count(torch.ops.shardnorm.norm_fwd.default) == 1
+    assert seen.count(torch.ops.shardnorm.norm_bwd.default) == 1 == seen_off.count(torch.ops.shardnorm.norm_bwd.default)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     """The order in which a GPU backward's checks are read (`output_recompute.check_equal`), with events standing in
     for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, the

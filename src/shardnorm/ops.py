@@ -321,7 +321,8 @@ class _NormFunction(torch.autograd.Function):
                 if type(dy) not in _PLAIN or type(dz) not in _PLAIN:
                     dy, dz = _ready(dy), _ready(dz)
                     direct = _eager_ok(dy, dz)
-            run_bwd = _backward_kernels if direct else norm_bwd
+            # the forward's rule again: a dispatch mode entered around the backward alone sees the op too
+            run_bwd = _backward_kernels if direct and not _dispatch_modes_active() else norm_bwd
         dx, dweight, dbias = _grads(run_bwd, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, eps)
         to_w, to_b = (None if sink_w else dweight), (None if sink_b else dbias)
         dres = None
@@ -405,9 +406,11 @@ def recompute_output(src: Tensor, weight: Optional[Tensor], bias: Optional[Tenso
                      zero_centered: bool, dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor], Tensor]:
     """A norm's output again, bitwise the first forward's: the same backend and kernel on the same src, no
     autograd. `src` is x, or z = x + residual for the residual form (the kernels normalize the rounded z, and
-    round y from fp32 once, to `dtype`, as here). Returns (y, mean, rstd)."""
+    round y from fp32 once, to `dtype`, as here). Returns (y, mean, rstd). The forward's one rule decides the way
+    (`norm`): under a dispatch mode the op, so that the mode sees the recompute as the forward it repeats."""
     with torch.no_grad():
-        y, _, mean, rstd = _backend(src).norm_fwd(src, weight, bias, None, float(eps), rms, zero_centered)
+        forward = _forward if not _dispatch_modes_active() else norm_fwd
+        y, _, mean, rstd = forward(src, weight, bias, None, float(eps), rms, zero_centered)
     return (y if y.dtype == dtype else y.to(dtype)), mean, rstd
 
 
