@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import shardnorm
-from shardnorm import _torch_compat, output_recompute
+from shardnorm import _torch_compat, output_checks, output_recompute
 from shardnorm.output_recompute import KeepOutputError
 
 H = 32
 
 
 def read_checks(forward) -> None:
-    """After a backward: on a GPU its checks reach the host asynchronously (`output_recompute.check_equal`); let the
+    """After a backward: on a GPU its checks reach the host asynchronously (`output_checks.check_equal`); let the
     copy land, then run `forward` (a keep_output=False norm's), which reads what arrived."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -931,22 +931,22 @@ def test_small_write_behind_autograd_raises(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", [(4, 6, 8), (3, 5, 7)], ids=["even", "odd"])
 def test_fingerprint_is_exact_and_follows_the_bits(device, dtype, shape):
-    """`output_recompute.fingerprint`, the `.data`-write check's checksum: the same bits give the same checksum in any
+    """`output_checks.fingerprint`, the `.data`-write check's checksum: the same bits give the same checksum in any
     layout (the re-gather compares a gathered copy with what the consumer read), NaN included; flipping any one bit
     of any one element changes it."""
     g = torch.Generator().manual_seed(8)
     t = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
     t.view(-1)[3] = float("nan")
     same = [t.clone(), t.transpose(0, 1).contiguous().transpose(0, 1), t.permute(2, 0, 1).contiguous().permute(1, 2, 0)]
-    want = output_recompute.fingerprint(t)
-    assert all(torch.equal(output_recompute.fingerprint(u), want) for u in same)
+    want = output_checks.fingerprint(t)
+    assert all(torch.equal(output_checks.fingerprint(u), want) for u in same)
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     for i in torch.randint(0, t.numel(), (6,), generator=g).tolist():
         for bit in (0, 8 * t.element_size() - 1, int(torch.randint(1, 8 * t.element_size() - 1, (), generator=g))):
             flipped = t.clone()
             word = flipped.view(bits).view(-1)
             word[i] ^= torch.tensor(1, dtype=torch.int64).bitwise_left_shift(bit).to(bits)
-            assert not torch.equal(output_recompute.fingerprint(flipped), want), (i, bit)
+            assert not torch.equal(output_checks.fingerprint(flipped), want), (i, bit)
 
 
 def test_dispatch_mode_sees_the_recompute_as_the_op(device):
@@ -980,7 +980,7 @@ def test_dispatch_mode_sees_the_recompute_as_the_op(device):
 
 
 def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
-    """The order in which a GPU backward's checks are read (`output_recompute.check_equal`), with events standing in
+    """The order in which a GPU backward's checks are read (`output_checks.check_equal`), with events standing in
     for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, the
     end of a backward waits for every earlier backward's copy, and what is unread at exit is reported then."""
 
@@ -998,29 +998,29 @@ def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
         return Event(landed), torch.tensor(flags), [lambda i=i: KeepOutputError(f"flag {i}") for i in range(len(flags))]
 
     unread = []
-    monkeypatch.setattr(output_recompute, "_unread", unread)
+    monkeypatch.setattr(output_checks, "_unread", unread)
     clean, dirty, travelling = record(True, False, False), record(True, False, True), record(False, True)
     unread.extend([clean, dirty, travelling])
     with pytest.raises(KeepOutputError, match="flag 1"):
-        output_recompute.check_arrived()
+        output_checks.check_arrived()
     assert unread == [travelling]
-    output_recompute.check_arrived()  # not landed: not read, kept
+    output_checks.check_arrived()  # not landed: not read, kept
     assert unread == [travelling]
     with pytest.raises(KeepOutputError, match="flag 0"):
-        output_recompute._check_pending(-7)  # a backward's end with no flags of its own waits for the earlier ones
+        output_checks._check_pending(-7)  # a backward's end with no flags of its own waits for the earlier ones
     assert unread == []
     unread.extend([record(False, False), record(False, False, True)])  # the last backward's, unread at exit
-    output_recompute._report_unread()
+    output_checks._report_unread()
     assert unread == []
     assert "read at exit: KeepOutputError: flag 1" in capsys.readouterr().err
     unread.append(record(False, False))
-    output_recompute._report_unread()
+    output_checks._report_unread()
     assert capsys.readouterr().err == ""
 
 
 def test_backward_comparisons_made_together_keep_their_errors():
     """A GPU backward's checks are compared at its end, those of one shape and dtype in one kernel
-    (`output_recompute._compare`): each flag still answers for its own comparison and error, whatever the order."""
+    (`output_checks._compare`): each flag still answers for its own comparison and error, whatever the order."""
     g = torch.Generator().manual_seed(3)
     pending, expected = [], []
     for i, shape in enumerate([(), (5,), (), (7,), (5,), ()]):
@@ -1031,7 +1031,7 @@ def test_backward_comparisons_made_together_keep_their_errors():
             b.view(-1)[-1] += 1e-6 * (1 + b.view(-1)[-1].abs())
         pending.append((a, b, lambda i=i: KeepOutputError(f"check {i}")))
         expected.append(differs)
-    flags, errors = output_recompute._compare(pending)
+    flags, errors = output_checks._compare(pending)
     assert flags.dtype == torch.bool and flags.shape == (len(pending),)
     assert sorted(str(e()) for f, e in zip(flags.tolist(), errors) if f) == ["check 1", "check 2"]
     assert sorted(str(e()) for f, e in zip(flags.tolist(), errors) if not f) == \

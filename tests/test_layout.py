@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardnorm"
 # lower layers never import higher ones; the package root (the public door) sits above everything
 LAYERS = [
     ("shardnorm._torch_compat", 0), ("shardnorm.settings", 0),
-    ("shardnorm.kernels", 1), ("shardnorm.reference", 1), ("shardnorm.rows", 1),
+    ("shardnorm.kernels", 1), ("shardnorm.reference", 1), ("shardnorm.rows", 1), ("shardnorm.output_checks", 1),
     ("shardnorm.ops", 2),
     ("shardnorm.functional", 3), ("shardnorm.modules", 3), ("shardnorm.conversion", 3),
     ("shardnorm.norm_families", 3), ("shardnorm.output_recompute", 3),

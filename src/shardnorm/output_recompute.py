@@ -19,32 +19,27 @@ version, which unpack checks as autograd itself would (hooks turn off autograd's
 backward recomputes the output with the same kernel on the same input, the others share it. The user's tensor is
 never touched: y's memory goes when nothing holds it any more, and stays, correct, where something does. An input
 changed in place (version counter) or through `.data` (the recompute's statistics against the forward's, bitwise),
-or an output written behind autograd before a consumer saved it (a checksum of its bits), raises `KeepOutputError`; on a
-GPU a backward's flags go to the host in one asynchronous copy, read once it has landed (`check_equal`).
+or an output written behind autograd before a consumer saved it (a checksum of its bits), raises `KeepOutputError`
+(the checks: `output_checks.py`).
 
 Under torch.compile the hooks step aside; a norm with keep_output=False is traced inside a selective
 activation checkpoint that recomputes its forward op instead (`compiled_norm`), so AOTAutograd's partitioner
 gives the compiled graph the same saving (without a residual).
 """
 
-import atexit
-import sys
 import threading
 import warnings
 import weakref
-from functools import cache, partial
+from functools import partial
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from . import _torch_compat, ops
+from . import _torch_compat, ops, output_checks
+from .output_checks import KeepOutputError  # noqa: F401 - raised here, and public as output_recompute's
 from .rows import as_dtensor, as_param, as_rows
-
-
-class KeepOutputError(RuntimeError):
-    """A norm with keep_output=False could not recompute its output faithfully."""
 
 
 # ---- torch.compile: a selective checkpoint around the norm ----------------------------------------------------
@@ -279,42 +274,6 @@ def derive(out: Tensor, src: Tensor, transform: Callable[[Tensor], Tensor]) -> N
         _track(out, lambda: transform(make()))
 
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> its bits as an int
-
-
-def fingerprint(t: Tensor) -> Tensor:
-    """A checksum of the bits of this rank's part of `t` (a device scalar, no sync): the recompute is bitwise the
-    output, so a different checksum means the output the consumer saw was written after the norm made it.
-
-    An integer sum of the bit patterns, not a float sum of the values: exact (any one changed element changes it,
-    where an fp32 sum rounds a small change away) and equal for equal bits (NaN and Inf included: a NaN output
-    compares equal to itself). On a GPU it sums 32-bit words in int32, wrapping, at the speed of an fp32 sum (30 vs
-    31 us over a 64 MiB bf16 output on an H200; an int64 accumulator takes 109 us), and 64-bit elements in int64;
-    integer addition in any order gives one result, so both sides' checksums are equal exactly where the bits are."""
-    local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
-    words = _words(local)
-    return words.sum(dtype=torch.int32 if local.is_cuda and words.element_size() <= 4 else torch.int64)
-
-
-def _words(t: Tensor) -> Tensor:
-    """`t`'s elements as integers: 2-byte and 1-byte ones as 32-bit words of consecutive elements of a row where the
-    row's bytes are a multiple of 4 (as 16-bit integers they sum at a third of the speed: 106 vs 30 us over 64 MiB
-    of bf16 on an H200), else each as an integer of its size. Words never span rows, so a tensor and a copy of it in
-    another layout read the same words."""
-    size = t.element_size()
-    if size >= 4 or t.dim() == 0 or t.shape[-1] * size % 4:
-        return t.view(_BITS[size])
-    try:
-        return t.view(torch.int32)
-    except RuntimeError:  # rows not contiguous, or at an odd offset: a copy (a layout no norm output has)
-        return t.contiguous().view(torch.int32)
-
-
-def _bits(t: Tensor) -> Tensor:
-    """`t` as the integers of its bits, for comparisons that hold NaN equal to the same NaN."""
-    return t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
-
-
 class _Saved:
     """A consumer's save of a tracked output: the handle, where in the base the saved view lies, and the view's
     fingerprint as the consumer saw it (a write through `.data` bumps no version counter)."""
@@ -325,7 +284,7 @@ class _Saved:
         self.handle, self.view, self.dtensor = handle, None, None
         handle.saves += 1
         with torch.no_grad():
-            self.fingerprint = fingerprint(t)
+            self.fingerprint = output_checks.fingerprint(t)
         if _torch_compat.is_dtensor(t):
             if getattr(t, _ATTR, None) is handle:  # the tracked DTensor itself
                 return
@@ -341,8 +300,8 @@ class _Saved:
         with torch.no_grad():
             recomputed = sums.get(self.view)
             if recomputed is None:
-                recomputed = sums[self.view] = fingerprint(out)
-        check_equal(recomputed, self.fingerprint, changed_output_error)
+                recomputed = sums[self.view] = output_checks.fingerprint(out)
+        output_checks.check_equal(recomputed, self.fingerprint, output_checks.changed_output_error)
         return out
 
     def _view(self, base: Tensor) -> Tensor:
@@ -385,7 +344,7 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
     x, or z = x + residual (the kernels normalize the rounded z); `n` the normalized size."""
     if not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
-    check_arrived()
+    output_checks.check_arrived()
     if _scope.hooks is None:
         sequence_parallel = owner is not None and owner.__dict__.get(SP_OUTPUT_ATTR, False)
         # (a reentrant checkpoint's recompute runs inside the backward, outside any forward: nothing to warn of)
@@ -471,11 +430,6 @@ class _Remake:
         return f"{type(self.owner).__name__} (keep_output=False)" if self.owner is not None else "a norm"
 
 
-_pending_checks: dict = {}  # graph task id -> [(a, b, error)]: the comparisons of one backward's recomputes
-_unread: list = []  # [(event, host flags, errors)]: ended backwards' flags, on their way to the host
-_pending_lock = threading.Lock()  # a backward's nodes run on device threads; its end callback on another
-
-
 def _check_statistics(remake: _Remake, stats: tuple) -> None:
     """The recompute's statistics against the forward's, bitwise: a changed input the version counter did not see
     (written through `.data`) changes them. On the host the check is immediate; on a device the comparisons gather
@@ -483,125 +437,7 @@ def _check_statistics(remake: _Remake, stats: tuple) -> None:
     name = remake.name()
     for new, old in zip(stats, remake.stats):
         if new is not None and new.numel():
-            check_equal(new, old, lambda: _changed_input(name))
-
-
-def check_equal(a: Tensor, b: Tensor, error) -> None:
-    """Raise `error()` if `a` and `b` (same shape and dtype) differ anywhere: at once on the host; on a CUDA device
-    without waiting. A backward's comparisons are made at its end, those of one shape together (one kernel for all
-    its norms' statistics, one for all its fingerprints), and their flags copied to the host in one asynchronous
-    copy, read as soon as it has landed: at the end of that backward if the GPU is done with it, else at the next
-    forward of a keep_output=False norm or, at the latest, at the end of the next backward, which waits for it.
-    Reading them at the end of their own backward would drain the GPU's queue once per micro-batch: the next
-    forward's launches could no longer run ahead of the GPU. Flags still unread when the process exits are read
-    then and a set one reported on stderr (the last backward of a run)."""
-    task = _torch_compat.current_graph_task_id()
-    if a.device.type == "cpu" or task == -1:
-        if torch.ne(_bits(a), _bits(b)).any().item():
-            raise error()
-        return
-    with _pending_lock:
-        pending = _pending_checks.get(task)
-        if pending is None:
-            pending = _pending_checks[task] = []
-            _torch_compat.queue_backward_callback(lambda: _check_pending(task))
-        pending.append((a, b, error))
-
-
-def _compare(pending: list) -> tuple[Tensor, list]:
-    """(one flag per comparison of `pending`, set where it differs; their errors in the flags' order): the
-    comparisons of one shape and dtype stacked, one kernel each."""
-    groups: dict = {}
-    for a, b, error in pending:
-        groups.setdefault((a.shape, a.dtype), []).append((a, b, error))
-    flags, errors = [], []
-    for same in groups.values():
-        differ = torch.ne(_bits(torch.stack([a for a, _, _ in same])), _bits(torch.stack([b for _, b, _ in same])))
-        flags.append(differ.flatten(1).any(1) if differ.dim() > 1 else differ)
-        errors += [error for _, _, error in same]
-    return (flags[0] if len(flags) == 1 else torch.cat(flags)), errors
-
-
-def _check_pending(task: int) -> None:
-    """At the end of a backward: make its comparisons, start their flags' copy to the host, and raise for what
-    earlier copies brought."""
-    with _pending_lock:
-        pending = _pending_checks.pop(task, [])
-    earlier = _take_unread()
-    for event, _, _ in earlier:
-        event.synchronize()
-    if pending:
-        flags, errors = _compare(pending)
-        if flags.is_cuda:
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(flags.device))
-            earlier.append((event, host, errors))
-            _read_at_exit()
-        else:  # another device: one blocking read
-            _raise_set(flags.tolist(), errors)
-    _raise_arrived(earlier)
-
-
-@cache
-def _read_at_exit() -> None:
-    """Read the flags still on their way when the process exits (the last backward's, with no backward or
-    keep_output=False forward after it), reporting a set one on stderr; registered with the first such copy."""
-    atexit.register(_report_unread)
-
-
-def _report_unread() -> None:
-    for event, host, errors in _take_unread():
-        event.synchronize()
-        try:
-            _raise_set(host.tolist(), errors)
-        except KeepOutputError as error:
-            sys.stderr.write(f"shardnorm: the last backward's keep_output=False check, read at exit: "
-                             f"{type(error).__name__}: {error}\n")
-            return
-
-
-def _take_unread() -> list:
-    with _pending_lock:
-        records = _unread[:]
-        _unread.clear()
-    return records
-
-
-def check_arrived() -> None:
-    """Raise for the flags of ended backwards whose copy to the host has landed, without waiting for the others
-    (a keep_output=False norm's forward calls it)."""
-    if _unread:
-        _raise_arrived(_take_unread())
-
-
-def _raise_arrived(records: list) -> None:
-    """Raise for the first set flag among `records` whose copies have landed (in stream order: the first still on its
-    way ends the scan); the records not read go back to `_unread`."""
-    for i, (event, host, errors) in enumerate(records):
-        arrived = event.query()
-        if arrived and not any(host.tolist()):
-            continue
-        with _pending_lock:
-            _unread[:0] = records[i + 1:] if arrived else records[i:]
-        if arrived:
-            _raise_set(host.tolist(), errors)
-        return
-
-
-def _raise_set(flags: list, errors: list) -> None:
-    for set_, error in zip(flags, errors):
-        if set_:
-            raise error()
-
-
-def changed_output_error() -> KeepOutputError:
-    return KeepOutputError("a norm with keep_output=False: its output was written after the norm's forward without a "
-                           "version-counter bump (through `.data` or a detached alias, e.g. in a forward hook), so "
-                           "its consumers' forward saw other values than their backward would get. Keep this norm's "
-                           "output (keep_output=True), or change the output with an ordinary in-place op or out of "
-                           "place.")
+            output_checks.check_equal(new, old, lambda: _changed_input(name))
 
 
 def warn_once(norm: torch.nn.Module, what: str, message: str, stacklevel: int = 1) -> None:

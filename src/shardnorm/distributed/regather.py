@@ -12,7 +12,7 @@ consumers own their saves, and a model without such consumers runs as torch runs
 Checked, not assumed: the norm's input changed after the forward (version counter, or the recompute's statistics
 against the forward's), and the gathered output written behind autograd before a consumer read it (a checksum of the
 bits each consumer read against the re-gathered copy's); either raises `KeepOutputError`
-(on a GPU as soon as the backward's flags reach the host: `output_recompute.check_equal`).
+(on a GPU as soon as the backward's flags reach the host: `output_checks.check_equal`).
 
 Under torch.compile the consumers run torch's linear and a selective checkpoint recomputes the norm and the gather
 (`output_recompute.compiled_transform`): the partitioner keeps the same shard.
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from shardnorm import _torch_compat, ops, output_recompute
+from shardnorm import _torch_compat, ops, output_checks, output_recompute
 from shardnorm.distributed import sequence_gather
 from shardnorm.rows import as_dtensor, cached_spec
 
@@ -75,8 +75,8 @@ class GatheredOutput:
             self.work = None
         value = self.value
         if self.fingerprint is None:
-            self.fingerprint = output_recompute.fingerprint(value)
-        output_recompute.check_equal(self.fingerprint, seen, output_recompute.changed_output_error)
+            self.fingerprint = output_checks.fingerprint(value)
+        output_checks.check_equal(self.fingerprint, seen, output_checks.changed_output_error)
         self.unread -= 1
         if self.unread <= 0:  # every consumer of this backward has it: nothing holds a copy between backwards
             self.value = self.fingerprint = None
@@ -113,7 +113,7 @@ class _RegatherLinear(torch.autograd.Function):
         ctx.param_meta = [(p.shape, p.stride()) if p is not None else None for p in (weight, bias)]
         if gathered is not None:
             gathered.taken()
-            ctx.seen = output_recompute.fingerprint(x_local)
+            ctx.seen = output_checks.fingerprint(x_local)
             ctx.save_for_backward(w)
         else:
             ctx.save_for_backward(w, x_local)

@@ -1,7 +1,7 @@
-"""The checksum of a keep_output=False output (`output_recompute.fingerprint`) against the fp32 sum it replaced, and
+"""The checksum of a keep_output=False output (`output_checks.fingerprint`) against the fp32 sum it replaced, and
 other integer sums, on one GPU: do_bench medians, best of 3.  python keep_output_checks/checksum_bench.py"""
 import torch, triton.testing as tt
-from shardnorm.output_recompute import fingerprint
+from shardnorm.output_checks import fingerprint
 cases = {"bf16 8192x4096": torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16),
          "bf16 q 2x4096x32x128 view": torch.randn(2, 4096, 32 * 128, device="cuda", dtype=torch.bfloat16).view(2, 4096, 32, 128).transpose(1, 2),
          "fp32 8192x4096": torch.randn(8192, 4096, device="cuda"),

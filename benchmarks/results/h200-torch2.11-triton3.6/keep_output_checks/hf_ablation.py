@@ -10,7 +10,7 @@ import json, os, statistics, sys, time
 import torch
 from benchmarks import hf_variants
 from benchmarks.common import turns
-from shardnorm import output_recompute as orc
+from shardnorm import output_checks as checks, output_recompute as orc
 
 OUT = sys.argv[1]
 ZERO = {}
@@ -18,13 +18,13 @@ def zero_fp(t):
     z = ZERO.get(t.device)
     if z is None: z = ZERO[t.device] = torch.zeros((), device=t.device)
     return z
-orig = dict(fp=orc.fingerprint, stats=orc._check_statistics, ceq=orc.check_equal, track=orc.track)
+orig = dict(fp=checks.fingerprint, stats=orc._check_statistics, ceq=checks.check_equal, track=orc.track)
 KNOCK = {"off": {}, "on": {}, "on_nochecks": {"fp": zero_fp, "stats": lambda *a: None, "ceq": lambda *a, **k: None},
          "on_hooks_only": {"track": lambda *a, **k: None}}
 def apply(name):
     k = KNOCK[name]
-    orc.fingerprint = k.get("fp", orig["fp"]); orc._check_statistics = k.get("stats", orig["stats"])
-    orc.check_equal = k.get("ceq", orig["ceq"]); orc.track = k.get("track", orig["track"])
+    checks.fingerprint = k.get("fp", orig["fp"]); orc._check_statistics = k.get("stats", orig["stats"])
+    checks.check_equal = k.get("ceq", orig["ceq"]); orc.track = k.get("track", orig["track"])
 
 arch = os.environ.get("ARCH", "llama")
 import shardnorm
