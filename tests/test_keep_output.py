@@ -1001,8 +1001,9 @@ def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     monkeypatch.setattr(output_checks, "_unread", unread)
     clean, dirty, travelling = record(True, False, False), record(True, False, True), record(False, True)
     unread.extend([clean, dirty, travelling])
-    with pytest.raises(KeepOutputError, match="flag 1"):
+    with pytest.raises(KeepOutputError, match="flag 1") as raised:
         output_checks.check_arrived()
+    assert "an optimizer step taken since it used them" in str(raised.value)  # read late: says so
     assert unread == [travelling]
     output_checks.check_arrived()  # not landed: not read, kept
     assert unread == [travelling]

@@ -165,14 +165,24 @@ def _raise_arrived(records: list) -> None:
         with _pending_lock:
             _unread[:0] = records[i + 1:] if arrived else records[i:]
         if arrived:
-            _raise_set(host.tolist(), errors)
+            _raise_set(host.tolist(), errors, _READ_LATE)
         return
 
 
-def _raise_set(flags: list, errors: list) -> None:
+# What a GPU backward's error adds: where it surfaces is not where the backward ran, and a step may have come between.
+_READ_LATE = (" [Found by the checks of a backward on the GPU, which reach the host without a wait: read at the end of "
+              "that backward or of a later one, or at a later forward of a keep_output=False norm. That backward's "
+              "grads are wrong, and an optimizer step taken since it used them.]")
+
+
+def _raise_set(flags: list, errors: list, note: str = "") -> None:
     for set_, error in zip(flags, errors):
         if set_:
-            raise error()
+            raise error() if not note else _noted(error(), note)
+
+
+def _noted(error: Exception, note: str) -> Exception:
+    return type(error)(f"{error}{note}")
 
 
 def changed_output_error() -> KeepOutputError:
