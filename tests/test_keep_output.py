@@ -1003,7 +1003,7 @@ def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     unread.extend([clean, dirty, travelling])
     with pytest.raises(KeepOutputError, match="flag 1") as raised:
         output_checks.check_arrived()
-    assert "an optimizer step taken since it used them" in str(raised.value)  # read late: says so
+    assert "any optimizer step taken since has used them" in str(raised.value)  # read late: says so
     assert unread == [travelling]
     output_checks.check_arrived()  # not landed: not read, kept
     assert unread == [travelling]

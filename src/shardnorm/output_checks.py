@@ -172,7 +172,7 @@ def _raise_arrived(records: list) -> None:
 # What a GPU backward's error adds: where it surfaces is not where the backward ran, and a step may have come between.
 _READ_LATE = (" [Found by the checks of a backward on the GPU, which reach the host without a wait: read at the end of "
               "that backward or of a later one, or at a later forward of a keep_output=False norm. That backward's "
-              "grads are wrong, and an optimizer step taken since it used them.]")
+              "grads are wrong, and any optimizer step taken since has used them.]")
 
 
 def _raise_set(flags: list, errors: list, note: str = "") -> None:
