@@ -93,6 +93,45 @@ class LlamaRMSNorm(torch.nn.Module):
         return self.weight * (x.float() * torch.rsqrt(var + self.variance_epsilon)).to(x.dtype)
 
 
+@pytest.mark.parametrize("cls", [shardnorm.LayerNorm, shardnorm.RMSNorm])
+def test_torch_jit_trace_records_the_norm(backend, device, cls):
+    """`torch.jit.trace` keeps the ops it sees as the traced module's program: the norm is recorded as its op (a
+    kernel launched directly is no op: tracing failed on the sizes the tracer hands out as tensors, and a traced
+    module would have lost the launch). The traced module runs new inputs of the traced shapes (as jit.trace
+    promises), the residual form included, with the eager module's outputs and grads."""
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = torch.nn.Linear(16, 16), cls(16)
+
+        def forward(self, x, residual):
+            y, z = self.norm(self.lin(x), residual)
+            return self.norm(y) + z
+
+    block = Block().to(device)
+    traced = torch.jit.trace(block, (torch.randn(2, 5, 16, device=device), torch.randn(2, 5, 16, device=device)))
+    x, residual = torch.randn(2, 5, 16, device=device), torch.randn(2, 5, 16, device=device)
+    outputs, grads = [], []
+    for module in (traced, block):
+        x_ = x.clone().requires_grad_()
+        out = module(x_, residual)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        grads.append([x_.grad] + [p.grad.clone() for p in block.parameters()])
+        block.zero_grad(set_to_none=True)
+    assert torch.equal(*outputs)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_torch_jit_script_refuses_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), shardnorm.RMSNorm(8))
+    with pytest.raises(TypeError, match=r"shardnorm.RMSNorm cannot be compiled by torch.jit.script"):
+        torch.jit.script(model)
+    assert isinstance(model[1], shardnorm.RMSNorm)  # the model is left as it was
+
+
 def test_convert_keeps_parameters_and_outputs():
     model = torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.LayerNorm(24),
                                 torch.nn.Sequential(torch.nn.RMSNorm(24, eps=1e-5), LlamaRMSNorm(24, 1e-4)),

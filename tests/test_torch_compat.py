@@ -18,6 +18,22 @@ def _gone(internal: str) -> str:
             f"(checked on torch {', '.join(compat.CHECKED_ON)})")
 
 
+def test_ops_observed_by_dispatch_modes_and_the_tracer():
+    """`ops_observed`: false in plain eager code; true under a TorchDispatchMode and while torch.jit.trace runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert not compat.ops_observed()
+    with Mode():
+        assert compat.ops_observed()
+    seen = []
+    torch.jit.trace(lambda t: seen.append(compat.ops_observed()) or t * 2, torch.ones(2), check_trace=False)
+    assert seen == [True] and not compat.ops_observed()
+
+
 def test_autograd_engine_task_id_and_end_of_backward_callback():
     """One task id per backward, the same for every hook of it; a queued callback runs after every grad
     of that backward was accumulated."""

@@ -26,8 +26,9 @@ Tensor and placement kinds, told apart without importing torch.distributed where
   `DTensor`, a functional collective's pending result (`torch.distributed._functional_collectives.
   AsyncCollectiveTensor`), and `torch.distributed.tensor.placement_types._StridedShard` (on torch 2.11 a `Shard`
   whose `is_shard()` is true).
-Dispatch: `torch._C._len_torch_dispatch_stack` (is a TorchDispatchMode active: eager norms then reach the kernels
-  through the ops, so a mode such as selective activation checkpointing's sees the norm as one op).
+Dispatch: `torch._C._len_torch_dispatch_stack` and `torch._C._is_tracing` (is a TorchDispatchMode active, or the
+  TorchScript tracer: eager norms then reach the kernels through the ops, so a mode such as selective activation
+  checkpointing's sees the norm as one op, and a traced module records it).
 autograd.Function: `torch._C._FunctionBase.apply`, what `Function.apply` calls after its Python checks
   (`function_apply`: the eager norm's host time).
 `torch._library.triton.get_inner_triton_kernels`, replaced while `triton_op` registers the norm ops (their kernels
@@ -261,10 +262,11 @@ def is_block_shard(placement) -> bool:
 
 # ---- dispatch ----------------------------------------------------------------------------------------------
 
-def dispatch_modes_active() -> bool:
-    """Whether a TorchDispatchMode is active on this thread (selective activation checkpointing's caching mode,
-    FlopCounterMode, FakeTensorMode, ...): such a mode sees only the ops dispatched under it."""
-    return torch._C._len_torch_dispatch_stack() > 0
+def ops_observed() -> bool:
+    """Whether something on this thread sees only the ops dispatched under it, never a kernel launched directly: a
+    TorchDispatchMode (selective activation checkpointing's caching mode, FlopCounterMode, FakeTensorMode, ...) or
+    the TorchScript tracer (`torch.jit.trace` keeps the ops it sees as the traced module's program)."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_tracing()
 
 
 # ---- autograd.Function ------------------------------------------------------------------------------------

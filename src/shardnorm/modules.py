@@ -41,6 +41,12 @@ class _FusedNorm:
         output_recompute.check_keep_output(keep)
         self._keep_output = keep
 
+    def __prepare_scriptable__(self):
+        """torch.jit.script calls this first: a clear error instead of TorchScript's own on the Python forward."""
+        raise TypeError(f"shardnorm.{type(self).__name__} cannot be compiled by torch.jit.script (TorchScript): its "
+                        "forward runs the kernels from Python. Use torch.jit.trace (the traced shapes), torch.export "
+                        "or torch.compile")
+
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):
         params = self._parameters
         weight = params["weight"] if "weight" in params else self.weight

@@ -2,11 +2,13 @@
 
 One autograd node, `_NormFunction`, takes every call; its forward and backward reach the backend one of two ways:
 
-- directly (eager calls on plain tensors, no dispatch mode): the backend's launchers, no op dispatch;
+- directly (eager calls on plain tensors, no dispatch mode, no TorchScript tracer): the backend's launchers, no op
+  dispatch;
 - through the ops `torch.ops.shardnorm.norm_fwd` / `norm_bwd` (everything else): Dynamo traces the Function with
   the ops in its graphs, without graph breaks; a TorchDispatchMode sees the norm as one op (`shardnorm.norm_fwd`)
   rather than the kernels' output allocations, so selective activation checkpointing's policy can save or
-  recompute it as a whole; a tensor subclass's dispatch unwraps its tensors.
+  recompute it as a whole; `torch.jit.trace` records the op (a kernel launched directly is no op: the traced
+  module would lose it); a tensor subclass's dispatch unwraps its tensors.
 
 The ops are Triton ops (`torch.library.triton_op`). The Function is the autograd of every norm call; `norm_fwd` also
 has a formula of its own (its backward `norm_bwd`), for graphs that hold the op without the Function (torch.export
@@ -322,7 +324,7 @@ class _NormFunction(torch.autograd.Function):
                     dy, dz = _ready(dy), _ready(dz)
                     direct = _eager_ok(dy, dz)
             # the forward's rule again: a dispatch mode entered around the backward alone sees the op too
-            run_bwd = _backward_kernels if direct and not _dispatch_modes_active() else norm_bwd
+            run_bwd = _backward_kernels if direct and not _ops_observed() else norm_bwd
         dx, dweight, dbias = _grads(run_bwd, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, eps)
         to_w, to_b = (None if sink_w else dweight), (None if sink_b else dbias)
         dres = None
@@ -393,7 +395,7 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
         if shards is not None:
             out = _apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, True, shards))
         elif not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) \
-                and not _dispatch_modes_active():
+                and not _ops_observed():
             out = _apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, True, None))
         else:
             out = _NormFunction.apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, False, None))
@@ -409,10 +411,10 @@ def recompute_output(src: Tensor, weight: Optional[Tensor], bias: Optional[Tenso
     round y from fp32 once, to `dtype`, as here). Returns (y, mean, rstd). The forward's one rule decides the way
     (`norm`): under a dispatch mode the op, so that the mode sees the recompute as the forward it repeats."""
     with torch.no_grad():
-        forward = _forward if not _dispatch_modes_active() else norm_fwd
+        forward = _forward if not _ops_observed() else norm_fwd
         y, _, mean, rstd = forward(src, weight, bias, None, float(eps), rms, zero_centered)
     return (y if y.dtype == dtype else y.to(dtype)), mean, rstd
 
 
-_dispatch_modes_active = _torch_compat.dispatch_modes_active
+_ops_observed = _torch_compat.ops_observed
 _apply = _torch_compat.function_apply(_NormFunction)

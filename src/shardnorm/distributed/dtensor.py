@@ -70,7 +70,7 @@ def _sinks(weight, bias, layout: NormLayout) -> tuple:
 def _one_node_ok(x, weight, bias, residual) -> bool:
     """Whether the node may take the DTensors themselves: eager (not traced, no dispatch mode, which must see the
     ops) on local tensors the kernels can read."""
-    if torch.compiler.is_compiling() or _torch_compat.dispatch_modes_active():
+    if torch.compiler.is_compiling() or _torch_compat.ops_observed():
         return False
     local = _torch_compat.dtensor_local
     return ops._eager_ok(local(x), local(residual) if residual is not None else None,

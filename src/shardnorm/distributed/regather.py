@@ -162,7 +162,7 @@ def _local_path(x, weight, bias) -> bool:
         return False
     if bias is not None and (type(bias) is not DTensor or bias.placements != _SHARD0):
         return False
-    if _torch_compat.dispatch_modes_active():
+    if _torch_compat.ops_observed():
         return False
     return all(type(_torch_compat.dtensor_local(t)) in ops._PLAIN or ops._is_pending(_torch_compat.dtensor_local(t))
                for t in (x, weight, bias) if t is not None)

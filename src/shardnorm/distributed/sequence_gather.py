@@ -65,7 +65,7 @@ def _local_path(y, world: int) -> bool:
     local = _torch_compat.dtensor_local(y)
     if type(local) not in ops._PLAIN and not ops._is_pending(local):
         return False
-    return not _torch_compat.dispatch_modes_active()
+    return not _torch_compat.ops_observed()
 
 
 class _GatherSequence(torch.autograd.Function):
