@@ -96,7 +96,6 @@ class _NormGathers:
         return None  # a copied norm makes its own at its first gathering forward (`attach`): groups do not copy
 
 
-
 class _RegatherLinear(torch.autograd.Function):
     """F.linear of a `Replicate` DTensor `x` and this rank's column shard (`weight`, `bias`: `Shard(0)` DTensors) on
     their local tensors, taking and returning DTensors with specs cached per module (`rows.cached_spec`: no
