@@ -22,7 +22,9 @@ each round starting one further), so the GPU's clock drift and a slow spell of t
 Step i of a variant and step i of the model's own norms ran in one turn, so their difference cancels the drift: the
 table gives the median of those paired differences and its 95% bootstrap interval, which covers the step-to-step
 noise of one run only (compiled variants, compiled afresh in each run, can differ by more between runs: compare
-runs, not steps, there).
+runs, not steps, there). Two shardnorm variants compared with each other here carry the other models' steps between
+theirs: `keep_output=False` costs about 0.8 ms more with the model's own norms interleaved than in an A/B of the
+two alone (results/h200-torch2.11-triton3.6/keep_output_checks/harness_gap.json).
 
 Writes DIR/hf_models.json, DIR/hf_models.md and DIR/hf_models.png and prints the table. Every case runs in its own
 try/except: a failure is recorded with its error and the next case runs.
