@@ -987,7 +987,7 @@ def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     output_checks.check_arrived()  # not landed: not read, kept
     assert unread == [travelling]
     with pytest.raises(KeepOutputError, match="flag 0"):
-        output_checks._check_pending(-7)  # a backward's end with no flags of its own waits for the earlier ones
+        output_checks._check_pending([])  # a backward's end with no flags of its own waits for the earlier ones
     assert unread == []
     unread.extend([record(False, False), record(False, False, True)])  # the last backward's, unread at exit
     output_checks._report_unread()
@@ -996,6 +996,41 @@ def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     unread.append(record(False, False))
     output_checks._report_unread()
     assert capsys.readouterr().err == ""
+
+
+def test_comparisons_of_a_backward_that_raised_go_with_it():
+    """A device backward's comparisons wait for its end (`output_checks.check_equal`); a backward that raises midway
+    never gets there, and its comparisons, tensors included, must not stay behind in the process."""
+    kept = []
+
+    class Compare(torch.autograd.Function):  # a recompute's check, as the backward of a consumer makes it
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = torch.zeros(4, device="meta"), torch.zeros(4, device="meta")  # no host: the check waits
+            kept.extend([weakref.ref(a), weakref.ref(b)])
+            output_checks.check_equal(a, b, lambda: KeepOutputError("unreachable"))
+            assert len(output_checks._pending_checks) == 1
+            return grad
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("a later node of the backward fails")
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(ValueError, match="later node"):
+        Compare.apply(Fail.apply(x)).sum().backward()
+    gc.collect()
+    assert len(output_checks._pending_checks) == 0
+    assert kept and all(ref() is None for ref in kept)
 
 
 def test_backward_comparisons_made_together_keep_their_errors():

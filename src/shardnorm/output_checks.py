@@ -12,7 +12,8 @@ asynchronous copy, read when it has landed.
 import atexit
 import sys
 import threading
-from functools import cache
+import weakref
+from functools import cache, partial
 
 import torch
 from torch import Tensor
@@ -61,7 +62,14 @@ def _bits(t: Tensor) -> Tensor:
     return t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
 
 
-_pending_checks: dict = {}  # graph task id -> [(a, b, error)]: the comparisons of one backward's recomputes
+class _Pending(list):
+    """One backward's comparisons, [(a, b, error)], held by the callback queued at its end: a backward that raises
+    midway never runs its callbacks, and its comparisons go with its graph task."""
+
+    __slots__ = ("__weakref__",)
+
+
+_pending_checks: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # graph task id -> _Pending
 _unread: list = []  # [(event, host flags, errors)]: ended backwards' flags, on their way to the host
 _pending_lock = threading.Lock()  # a backward's nodes run on device threads; its end callback on another
 
@@ -83,8 +91,8 @@ def check_equal(a: Tensor, b: Tensor, error) -> None:
     with _pending_lock:
         pending = _pending_checks.get(task)
         if pending is None:
-            pending = _pending_checks[task] = []
-            _torch_compat.queue_backward_callback(lambda: _check_pending(task))
+            pending = _pending_checks[task] = _Pending()
+            _torch_compat.queue_backward_callback(partial(_check_pending, pending))
         pending.append((a, b, error))
 
 
@@ -102,16 +110,17 @@ def _compare(pending: list) -> tuple[Tensor, list]:
     return (flags[0] if len(flags) == 1 else torch.cat(flags)), errors
 
 
-def _check_pending(task: int) -> None:
-    """At the end of a backward: make its comparisons, start their flags' copy to the host, and raise for what
-    earlier copies brought."""
+def _check_pending(pending: list) -> None:
+    """At the end of a backward: make its comparisons (`pending`), start their flags' copy to the host, and raise for
+    what earlier copies brought."""
     with _pending_lock:
-        pending = _pending_checks.pop(task, [])
+        comparisons = pending[:]
+        pending.clear()  # their tensors go now, not with the graph task
     earlier = _take_unread()
     for event, _, _ in earlier:
         event.synchronize()
-    if pending:
-        flags, errors = _compare(pending)
+    if comparisons:
+        flags, errors = _compare(comparisons)
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)
