@@ -227,6 +227,67 @@ def test_checkpointed_blocks_bitwise(use_reentrant):
         assert torch.equal(u, v)
 
 
+class _HookedStack(Stack):
+    """A Stack whose forward wraps every block in saved-tensors hooks of its own: `wrap(block, x)` runs the block
+    (a non-reentrant checkpoint, a per-layer offload). Counts the blocks' forward calls."""
+
+    def __init__(self, keep: bool, wrap):
+        super().__init__(keep)
+        self.wrap, self.block_calls = wrap, 0
+        for block in self.blocks:
+            block.register_forward_pre_hook(lambda *args: setattr(self, "block_calls", self.block_calls + 1))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = self.wrap(block, x)
+        return self.head(self.final(x))
+
+
+class _OffloadOnce:
+    """Saved-tensors hooks as offload libraries write them: pack stores the tensor away, unpack hands it back once."""
+
+    def __init__(self):
+        self.store, self.packed = {}, 0
+
+    def pack(self, t):
+        self.packed += 1
+        self.store[self.packed] = t.clone()
+        return self.packed
+
+    def unpack(self, key):
+        return self.store.pop(key)
+
+
+@pytest.mark.parametrize("hooks", ["checkpoint", "offload"])
+def test_hooks_pushed_inside_the_model_keep_the_option_inert(hooks):
+    """Saved-tensors hooks pushed inside a scoped model (HF's gradient checkpointing, non-reentrant by default; a
+    per-layer offload) take the consumers' saves themselves: the option must leave them alone. Reading the norm's own
+    saves in the forward ran their unpack there: the checkpoint recomputed each block in the forward (4 block forwards
+    where 1 was due), and a single-use unpack left the backward without its tensor."""
+    offload = _OffloadOnce()
+
+    def wrap(block, x):
+        if hooks == "checkpoint":
+            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        with torch.autograd.graph.saved_tensors_hooks(offload.pack, offload.unpack):
+            return block(x)
+
+    def run(keep):
+        torch.manual_seed(3)
+        model = _HookedStack(keep, wrap)
+        _perturb(model, 3)
+        x = torch.randn(2, 4, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        loss = model(x).square().mean()
+        forward_calls = model.block_calls
+        loss.backward()
+        return forward_calls, [x.grad] + [p.grad for p in model.parameters()]
+
+    (calls_kept, kept), (calls, discarded) = run(True), run(False)
+    assert calls == calls_kept == 3
+    for u, v in zip(kept, discarded):
+        assert torch.equal(u, v)
+
+
 class _Parent(torch.nn.Module):
     """norm -> lin, with a step between them or after them (`between(y)`, `after(y)`) and a way to return y."""
 

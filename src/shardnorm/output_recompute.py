@@ -345,6 +345,12 @@ def track(owner, y: Tensor, src: Tensor, weight: Optional[Tensor], bias: Optiona
     if not y.requires_grad or y.numel() == 0 or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
     output_checks.check_arrived()
+    top = _torch_compat.saved_tensors_hooks_top()
+    if top is not None and top != (_pack, _unpack):
+        # hooks pushed inside the model (a checkpoint, an offload) take the consumers' saves: the option has nothing
+        # to act on, and reading the norm node's saves below would run their unpack in the forward (a non-reentrant
+        # checkpoint recomputes its region there; a single-use unpack leaves the backward without its tensor)
+        return
     if _scope.hooks is None:
         sequence_parallel = owner is not None and owner.__dict__.get(SP_OUTPUT_ATTR, False)
         # (a reentrant checkpoint's recompute runs inside the backward, outside any forward: nothing to warn of)
