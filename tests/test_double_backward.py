@@ -118,14 +118,17 @@ def test_norm_fwd_op_has_the_norms_grads(backend, device, rms, residual):
     assert not unequal, f"the op's outputs / grads differ from the functional call's at {unequal}"
 
 
-def test_exported_model_trains_like_the_eager_one(backend, device):
-    """torch.export (non-strict, the default) inlines the norms' autograd.Function into `shardnorm::norm_fwd`: the
-    exported module runs with grad mode on and gives the eager model's grads."""
+@pytest.mark.parametrize("strict", [False, True])
+def test_exported_model_trains_like_the_eager_one(backend, device, strict):
+    """torch.export holds each norm as `shardnorm::norm_fwd`, whose own autograd formula gives the exported module
+    the eager model's grads: non-strict export inlines the norms' autograd.Function into it; strict export would run
+    the Function's forward with grad mode off and keep no backward (every grad before the norm silently None), so
+    an exporting call takes the op itself."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), shardnorm.RMSNorm(16), torch.nn.Linear(16, 16),
                                 shardnorm.LayerNorm(16)).to(device)
     x = torch.randn(3, 16, device=device)
-    exported = torch.export.export(model, (x,)).module()
+    exported = torch.export.export(model, (x,), strict=strict).module()
     assert any(n.target is torch.ops.shardnorm.norm_fwd.default for n in exported.graph.nodes)
     for m in (model, exported):
         m(x).square().sum().backward()

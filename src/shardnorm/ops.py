@@ -397,6 +397,11 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
         elif not torch.compiler.is_compiling() and _eager_ok(x, weight, bias, residual) \
                 and not _ops_observed():
             out = _apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, True, None))
+        elif sink_w is None and sink_b is None and torch.compiler.is_exporting():
+            # the op with its own autograd formula: strict export runs an autograd.Function's forward with grad mode
+            # off and keeps no backward (the norm would leave autograd); non-strict export inlines it to the op anyway
+            y, z, _, _ = norm_fwd(x, weight, bias, residual, eps, rms, zero_centered)
+            out = y if residual is None else (y, z)
         else:
             out = _NormFunction.apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, False, None))
     except (RuntimeError, NotImplementedError) as e:  # a try costs nothing until it catches
