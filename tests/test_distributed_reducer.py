@@ -400,6 +400,37 @@ def _accumulate_without_reducer(mesh, seed):
             pass
 
 
+def _grads_of_chosen_inputs(mesh, seed, counter):
+    """`torch.autograd.grad(loss, params)` and `backward(inputs=params)` with a reducer attached: no step's backward
+    (nothing accumulates into the reducer's sinks), so the norms' parameters get their grads themselves, the
+    `Partial` sums a model without a reducer gets, and nothing is reduced or left pending. The norms gave them to
+    the sinks, and the grads were silently None."""
+    ref, model = _models(mesh, seed)
+    _, plain = _models(mesh, seed)
+    reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+    x, dy = _data()
+
+    def loss(m):
+        out = m(distribute_tensor(x, mesh, [Shard(1)]))
+        return (out * distribute_tensor(dy, mesh, [Shard(1)])).sum().full_tensor()
+
+    want = torch.autograd.grad((ref(x) * dy).sum(), list(ref.parameters()))
+    without = torch.autograd.grad(loss(plain), list(plain.parameters()))
+    counter.take()
+    got = torch.autograd.grad(loss(model), list(model.parameters()))
+    params = list(model.parameters())
+    loss(model).backward(inputs=params[:2])  # the first norm's weight and bias
+    assert counter.take() == 0, "a backward that reaches no sink reduced something"
+    for g, g_plain, w in zip(got, without, want):
+        assert g.placements == g_plain.placements == (Partial(),), g
+        assert torch.equal(g.to_local(), g_plain.to_local())
+        assert rel_err(g.full_tensor(), w) <= TOL
+    for p, g in zip(params[:2], got):
+        assert torch.equal(p.grad.to_local(), g.to_local())
+    assert all(p.grad is None for p in params[2:])
+    assert not reducer.has_pending
+
+
 def _partial_grads_source(rank, world_size, seed):
     """A hook's partial sums in `.grad` (DeepSpeed AutoTP's source): the framework's boundary ends the step, also
     inside `accumulate`; a zero_grad after a given-up step leaves nothing pending."""
@@ -491,6 +522,7 @@ def _lifecycle(rank, world_size, seed):
     _in_place_zero_after_bucket_stash(mesh, seed)
     _step_with_pending_partials(mesh, seed, counter)
     _accumulate_without_reducer(mesh, seed)
+    _grads_of_chosen_inputs(mesh, seed, counter)
     _partial_grads_source(rank, world_size, seed)
 
 

@@ -57,6 +57,26 @@ def test_autograd_engine_task_id_and_end_of_backward_callback():
         f"Variable._execution_engine.queue_callback (ran {ended}: once per backward, after accumulation)")
 
 
+def test_backward_reaches_only_the_leaves_it_accumulates_into():
+    """Inside a backward: a leaf the backward accumulates a grad into is reached; not in `autograd.grad` or
+    `backward(inputs=...)` without it."""
+    w1, w2 = (torch.randn(5, requires_grad=True) for _ in range(2))
+    seen = []
+
+    def hook(grad):
+        seen.append((compat.backward_reaches(w1), compat.backward_reaches(w2)))
+        return grad
+
+    def loss():
+        return (w1 * w2 * torch.randn(5)).sum()
+
+    w2.register_hook(hook)
+    loss().backward()
+    torch.autograd.grad(loss(), [w2])
+    loss().backward(inputs=[w2])
+    assert seen == [(True, True), (False, False), (False, True)], _gone(f"torch._C._will_engine_execute_node ({seen})")
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -5,8 +5,10 @@ entry below and fails naming the internal that disappeared. Everything else in `
 APIs only, with one exception torch itself documents: a `ParallelStyle` subclass implements `_apply`
 (`distributed/parallel_style.py`; the test checks that torch still calls it).
 
-Autograd engine (the reducer's "first grad of this backward" and "end of this backward"):
-  `torch._C._current_graph_task_id`, `torch.autograd.Variable._execution_engine.queue_callback`.
+Autograd engine (the reducer's "first grad of this backward" and "end of this backward"; a norm's "does this
+backward reach the reducer's grad sink"):
+  `torch._C._current_graph_task_id`, `torch.autograd.Variable._execution_engine.queue_callback`,
+  `torch._C._will_engine_execute_node`.
   Output recompute (`output_recompute.py`): `torch._C._autograd._top_saved_tensors_default_hooks` (are
   saved-tensors hooks active), `torch._C._autograd._saved_tensors_hooks_is_enabled` (may they be pushed),
   `torch._C._are_functorch_transforms_active`, `Tensor._version`, `Tensor._base`.
@@ -71,6 +73,15 @@ def queue_backward_callback(callback) -> None:
 
     Must be called from inside a backward (a hook or an autograd Function's backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def backward_reaches(leaf) -> bool:
+    """Whether the running backward accumulates a grad into `leaf` (false in `torch.autograd.grad`, or
+    `backward(inputs=...)` without it). Must be called from inside a backward."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(leaf).node)
+    except RuntimeError:  # asked about one of `torch.autograd.grad`'s inputs, which it captures instead
+        return False
 
 
 def saved_tensors_hooks_active() -> bool:

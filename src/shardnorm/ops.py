@@ -291,6 +291,8 @@ class _NormFunction(torch.autograd.Function):
         # one ctx attribute: each costs host time per call, set here and read in the backward
         ctx.flags = (bias is not None, has_residual, rms, zero_centered, eps, direct, shards, routed_w, routed_b,
                      y.dtype)
+        if routed_w or routed_b:
+            ctx.sinks = (sink_w, sink_b)
         if shards is not None:
             y = shards.wrap(y, y.dtype)
             z = shards.wrap(z, z.dtype) if has_residual else None
@@ -326,6 +328,8 @@ class _NormFunction(torch.autograd.Function):
             # the forward's rule again: a dispatch mode entered around the backward alone sees the op too
             run_bwd = _backward_kernels if direct and not _ops_observed() else norm_bwd
         dx, dweight, dbias = _grads(run_bwd, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, eps)
+        if (sink_w or sink_b) and not torch.compiler.is_compiling():
+            sink_w, sink_b = _reached_sinks(ctx.sinks)
         to_w, to_b = (None if sink_w else dweight), (None if sink_b else dbias)
         dres = None
         if shards is not None:
@@ -336,6 +340,13 @@ class _NormFunction(torch.autograd.Function):
         elif has_residual:
             dres = dx
         return dx, to_w, to_b, dres, dweight if sink_w else None, dbias if sink_b else None, None
+
+
+def _reached_sinks(sinks: tuple) -> tuple:
+    """(whether this backward accumulates into the weight's sink, the bias's). One that does not is no backward of
+    the step (`torch.autograd.grad(loss, params)`, `backward(inputs=params)`): the parameter then gets its grad
+    itself, as without a reducer, instead of the sink that nothing would read."""
+    return tuple(sink is not None and _torch_compat.backward_reaches(sink) for sink in sinks)
 
 
 def _grads(run_bwd, dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_centered: bool, eps: float):
