@@ -204,6 +204,30 @@ def test_bf16_within_bf16_rounding_of_hf(model_type, monkeypatch):
     assert rel_err(y_new, exact) <= rel_err(y_hf, exact) * 1.05 + 1e-6
 
 
+def test_t5_in_fp16_with_its_fp32_feed_forward_output(tmp_path, monkeypatch):
+    """transformers loads T5 in fp16 with `wo` kept in fp32 (`_keep_in_fp32_modules`): x reaches the norms in fp32,
+    and T5's norm returns its fp16 weight's dtype for the fp16 layers after it. A converted T5 does the same
+    (`NormFamily.half_weight_output`): the model runs, with the unconverted model's loss and grads."""
+    import transformers
+
+    monkeypatch.setenv("SHARDNORM_BACKEND", "torch")
+    settings.reload()
+    tiny_model("t5", seed=4).save_pretrained(tmp_path)
+    models = [transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, dtype=torch.float16) for _ in range(2)]
+    assert models[0].encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+    shardnorm.convert(models[1])
+    inputs = batch(models[0], seed=4)
+    losses = []
+    for model in models:
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss)
+    assert rel_err(losses[1], losses[0]) <= 1e-3
+    for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        # fp16 grads: T5 rounds x to fp16 before the scale, shardnorm scales in fp32 (2e-2 on this model)
+        assert p.grad.dtype == q.grad.dtype and rel_err(q.grad.float(), p.grad.float()) <= 5e-2, name
+
+
 # ---- what convert leaves alone or refuses -------------------------------------------------------------
 
 

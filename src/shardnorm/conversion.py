@@ -100,6 +100,21 @@ def _plan(module: torch.nn.Module, extra: Optional[Extra]) -> tuple:
     return (None, reason) if (reason := mismatch(module, family)) else (family, None)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class HalfWeightRMSNorm(RMSNorm):
+    """shardnorm's RMSNorm for a family whose output takes a 16-bit weight's dtype (`half_weight_output`, T5): one
+    cast after the kernel, where x comes in another dtype (a single rounding: the kernel's output is then fp32)."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        out = super().forward(x, residual)
+        dtype = self.weight.dtype if self.weight is not None else x.dtype
+        if dtype == x.dtype or dtype not in _HALF:
+            return out
+        return out.to(dtype) if residual is None else (out[0].to(dtype), out[1])
+
+
 def _build(name: str, module: torch.nn.Module, family: NormFamily) -> torch.nn.Module:
     if found := wrappers_of(module):
         raise NormWrapperError(name, module, found)
@@ -113,7 +128,8 @@ def _build(name: str, module: torch.nn.Module, family: NormFamily) -> torch.nn.M
         shape = tuple(getattr(module.weight, "ds_shape", module.weight.shape))
         eps = float(getattr(module, family.eps_attr))
         if family.rms:
-            new = RMSNorm(shape, eps, device="meta", zero_centered_gamma=family.zero_centered_gamma)
+            cls = HalfWeightRMSNorm if family.half_weight_output else RMSNorm
+            new = cls(shape, eps, device="meta", zero_centered_gamma=family.zero_centered_gamma)
         else:
             new = LayerNorm(shape, eps, bias=family.bias, device="meta", zero_centered_gamma=family.zero_centered_gamma)
             if family.bias:

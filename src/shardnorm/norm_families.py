@@ -22,6 +22,9 @@ class NormFamily:
     eps_attr: the attribute holding eps ("variance_epsilon", "eps", "epsilon").
     scale_in: "float32" (scale, then cast to the input dtype) or "input" (cast, then scale, rounding twice
         in bf16/fp16); shardnorm always scales in fp32, so it only records how far the original differs.
+    half_weight_output: y takes the weight's dtype where that is fp16 or bf16 and x's is another (T5's casts x to
+        such a weight's dtype before the scale): the layers after it run in the weight's dtype while x may come in
+        fp32 (transformers keeps T5's `wo` in fp32 under fp16, `_keep_in_fp32_modules`).
     """
 
     name: str
@@ -30,6 +33,7 @@ class NormFamily:
     zero_centered_gamma: bool = False
     bias: bool = False
     scale_in: str = "float32"
+    half_weight_output: bool = False
 
 
 LLAMA = NormFamily("llama", rms=True, eps_attr="variance_epsilon", scale_in="input")
@@ -38,7 +42,7 @@ FLOAT32_SCALE = NormFamily("olmo2", rms=True, eps_attr="variance_epsilon")
 FLOAT32_SCALE_EPS = NormFamily("moshi", rms=True, eps_attr="eps")
 GEMMA = NormFamily("gemma", rms=True, eps_attr="eps", zero_centered_gamma=True)
 GEMMA3N = NormFamily("gemma3n", rms=True, eps_attr="eps")  # `with_scale=True` only: else no weight
-T5 = NormFamily("t5", rms=True, eps_attr="variance_epsilon", scale_in="input")
+T5 = NormFamily("t5", rms=True, eps_attr="variance_epsilon", scale_in="input", half_weight_output=True)
 COHERE = NormFamily("cohere", rms=False, eps_attr="variance_epsilon")  # LayerNorm without bias
 DEBERTA = NormFamily("deberta", rms=False, eps_attr="variance_epsilon", bias=True, scale_in="input")
 TORCH_LAYER_NORM = NormFamily("torch.nn.LayerNorm", rms=False, eps_attr="eps", bias=True)
