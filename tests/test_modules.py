@@ -35,6 +35,25 @@ def test_same_as_torch_nn(backend, device, torch_cls, ours_cls, kw):
     assert rel_err(ours(x), theirs(x)) < 1e-5
 
 
+@pytest.mark.parametrize("torch_cls,ours_cls", [(torch.nn.LayerNorm, shardnorm.LayerNorm),
+                                                 (torch.nn.RMSNorm, shardnorm.RMSNorm)])
+def test_numpy_sizes_and_eps_as_torch_takes_them(torch_cls, ours_cls):
+    """Sizes and eps read from numpy (a config array): torch's norms take numpy integers and floats, so do the
+    drop-ins, `convert` and the functional calls, which hold and pass them as Python ints and floats."""
+    np = pytest.importorskip("numpy")
+    n, eps = np.int64(24), np.float32(1e-3)
+    x = torch.randn(4, 24)
+    theirs = torch_cls(n, eps=eps)
+    with torch.no_grad():
+        theirs.weight.normal_()
+    for ours in (ours_cls(n, eps=eps), ours_cls([np.int32(24)], eps=eps),
+                 shardnorm.convert(torch.nn.Sequential(theirs), warn=False).model[0]):
+        ours.load_state_dict(theirs.state_dict())
+        assert ours.normalized_shape == (24,) and type(ours.normalized_shape[0]) is int and type(ours.eps) is float
+        assert rel_err(ours(x), theirs(x)) < 1e-5
+    assert rel_err(shardnorm.rms_norm(x, n, eps=eps), torch.nn.functional.rms_norm(x, (24,), eps=float(eps))) < 1e-5
+
+
 def test_dtype_and_device_arguments():
     m = shardnorm.RMSNorm(16, dtype=torch.bfloat16, device="meta")
     assert m.weight.dtype == torch.bfloat16 and m.weight.device.type == "meta"

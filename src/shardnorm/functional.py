@@ -8,6 +8,8 @@ DTensor inputs are handed to `shardnorm.distributed.dtensor`, which runs the sam
 """
 
 import math
+import numbers
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -23,21 +25,26 @@ ShapeLike = Union[int, Sequence[int], torch.Size]
 
 
 def _shape(normalized_shape) -> tuple:
-    """normalized_shape as a tuple of sizes (ints, or a traced graph's symbolic ints): a TypeError naming it for
-    anything else (a tensor, a string, a float size would otherwise reach the comparisons and the kernels)."""
+    """normalized_shape as a tuple of sizes (ints, or a traced graph's symbolic ints; other integers, such as
+    numpy's, which torch's norms take, as ints): a TypeError naming it for anything else (a tensor, a string, a
+    float size would otherwise reach the comparisons and the kernels)."""
     if type(normalized_shape) is tuple:
         shape = normalized_shape
     elif isinstance(normalized_shape, (int, torch.SymInt)) and not isinstance(normalized_shape, bool):
         return (normalized_shape,)
+    elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        return (operator.index(normalized_shape),)
     elif isinstance(normalized_shape, (Tensor, str, bytes)) or not hasattr(normalized_shape, "__iter__"):
         raise TypeError(f"normalized_shape must be an int or a sequence of ints, got "
                         f"{type(normalized_shape).__name__}")
     else:
         shape = tuple(normalized_shape)
     for d in shape:
-        if type(d) is not int and (isinstance(d, bool) or not isinstance(d, (int, torch.SymInt))):
-            raise TypeError(f"normalized_shape must be an int or a sequence of ints, got an element of type "
-                            f"{type(d).__name__} ({d!r})")
+        if type(d) is not int and not isinstance(d, torch.SymInt):
+            if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+                raise TypeError(f"normalized_shape must be an int or a sequence of ints, got an element of type "
+                                f"{type(d).__name__} ({d!r})")
+            return tuple(d if isinstance(d, torch.SymInt) else operator.index(d) for d in shape)
     return shape
 
 
@@ -45,7 +52,7 @@ def check_eps(eps) -> float:
     """eps as the kernels take it, a float (an int converted: the launch plans key their kernels on eps being one),
     or a TypeError / ValueError naming it: a tensor or a string would reach the kernels as another kind of argument."""
     if type(eps) is not float:
-        if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)):
+        if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, torch.SymFloat)):
             raise TypeError(f"eps must be a float, got {type(eps).__name__}")
         if not isinstance(eps, torch.SymFloat):
             eps = float(eps)

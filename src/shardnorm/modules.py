@@ -77,12 +77,12 @@ class _FusedNorm:
         return super().extra_repr() + extra
 
 
-def _check_args(normalized_shape, eps, zero_centered_gamma) -> None:
+def _check_args(normalized_shape, eps, zero_centered_gamma) -> tuple:
     """The constructor's arguments, checked as every call checks them (torch's constructors accept a string eps and
-    leave a float size to fail in torch.empty): the error names the argument at construction."""
-    F._shape(normalized_shape)
-    F.check_eps(eps)
+    leave a float size to fail in torch.empty): the error names the argument at construction. Returns
+    (normalized_shape, eps) as every call takes them (numpy's integers and floats as Python's)."""
     F.check_zero_centered(zero_centered_gamma)
+    return F._shape(normalized_shape), (F.check_eps(eps) if eps is not None else None)
 
 
 class LayerNorm(_FusedNorm, torch.nn.LayerNorm):
@@ -90,7 +90,7 @@ class LayerNorm(_FusedNorm, torch.nn.LayerNorm):
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None, *, zero_centered_gamma: bool = False, keep_output: bool = True) -> None:
-        _check_args(normalized_shape, eps, zero_centered_gamma)
+        normalized_shape, eps = _check_args(normalized_shape, eps, zero_centered_gamma)
         self.zero_centered_gamma = zero_centered_gamma  # read by reset_parameters inside super().__init__
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self.keep_output = keep_output
@@ -101,7 +101,7 @@ class RMSNorm(_FusedNorm, torch.nn.RMSNorm):
 
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
                  device=None, dtype=None, *, zero_centered_gamma: bool = False, keep_output: bool = True) -> None:
-        _check_args(normalized_shape, eps if eps is not None else 0.0, zero_centered_gamma)
+        normalized_shape, eps = _check_args(normalized_shape, eps, zero_centered_gamma)
         self.zero_centered_gamma = zero_centered_gamma
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self.keep_output = keep_output
