@@ -241,6 +241,8 @@ def convert(model: torch.nn.Module, classes: Optional[Iterable[str]] = None, *,
     keep_output: False: every shardnorm norm of the result (converted here or before) recomputes its output
         in backward instead of keeping it (`shardnorm.output_recompute`). Where any norm of the result has
         keep_output=False, `model`'s forward becomes the scope in which its consumers save a recompute handle.
+        True (the default) changes no norm's setting, so that adapters converting an already converted model
+        leave the user's choice as it is: to keep the outputs again, set `norm.keep_output = True` on the norms.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"shardnorm.convert: model must be a torch.nn.Module, got {type(model).__name__}")
