@@ -36,7 +36,8 @@ def fingerprint(t: Tensor) -> Tensor:
     where an fp32 sum rounds a small change away) and equal for equal bits (NaN and Inf included: a NaN output
     compares equal to itself). On a GPU it sums 32-bit words in int32, wrapping, at the speed of an fp32 sum (30 vs
     31 us over a 64 MiB bf16 output on an H200; an int64 accumulator takes 109 us), and 64-bit elements in int64;
-    integer addition in any order gives one result, so both sides' checksums are equal exactly where the bits are."""
+    integer addition in any order gives one result, so both sides' checksums are equal where the bits are. A sum:
+    a write that only moves elements (a permutation) keeps it (docs/memory.md)."""
     local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
     words = _words(local)
     return words.sum(dtype=torch.int32 if local.is_cuda and words.element_size() <= 4 else torch.int64)
