@@ -1019,6 +1019,70 @@ def test_fingerprint_is_exact_and_follows_the_bits(device, dtype, shape):
                 assert not torch.equal(output_checks.fingerprint(flipped), want), (i, bit)
 
 
+CHANGES_A_SUM_KEEPS = {
+    "reverse rows": lambda v: v.flip(-2),
+    "flip the hidden dim": lambda v: v.flip(-1),
+    "swap two elements": lambda v: v.index_select(-1, torch.tensor([1, 0, *range(2, v.shape[-1])], device=v.device)),
+    # one more in every exponent: 2**23 (fp32) or 2**7 + 2**23 (a word of two bf16) in every word, which a sum
+    # modulo 2**32 of 2**9 fp32 words, or 2**25 bf16 words, keeps
+    "double every element": lambda v: v * 2,
+    "halve every element": lambda v: v / 2,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("change", list(CHANGES_A_SUM_KEEPS))
+def test_fingerprint_sees_changes_a_sum_keeps(device, change, dtype):
+    """Writes a plain (or position-weighted) integer sum keeps: elements that only moved (a permutation through
+    `.data`), and the same power of two added to every word (every element scaled by 2). The hashed words' sums see
+    them, in a contiguous tensor and in a view whose rows are not contiguous."""
+    g = torch.Generator().manual_seed(9)
+    t = torch.randn(4, 64, 128, generator=g).to(device=device, dtype=dtype)
+    for view in (t, t.transpose(1, 2)):
+        changed = CHANGES_A_SUM_KEEPS[change](view)
+        changed = view.clone().copy_(changed) if view.is_contiguous() else \
+            changed.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not torch.equal(changed, view)
+        assert not torch.equal(output_checks.fingerprint(changed), output_checks.fingerprint(view)), change
+
+
+@pytest.mark.parametrize("shape,dims", [((5, 7, 33), (0, 1)), ((2, 3, 5, 8), (2, 3)), ((2, 3, 4, 5, 6), (1, 3)),
+                                        ((3000, 16), (0, 1)), ((9,), None), ((4, 0), (0, 1)), ((5, 1), (0, 1))])
+def test_fingerprint_kernel_is_the_torch_sums(triton_backend, shape, dims):
+    """The kernel (interpreted on a CPU) and the torch ops of `reference.fingerprint` give the same block sums,
+    bitwise: for contiguous tensors and views whose rows are not (read in place), 16- and 32-bit words, rows over
+    several dims, more rows than one block holds, and no rows at all."""
+    from shardnorm import reference
+    from shardnorm.kernels import fingerprint as kernels
+
+    g = torch.Generator().manual_seed(10)
+    for dtype in (torch.bfloat16, torch.float32):
+        t = torch.randn(shape, generator=g).to(device=triton_backend, dtype=dtype)
+        for view in (t, t.transpose(*dims) if dims else t):
+            words = output_checks._words_4d(output_checks._words(view))
+            rows, block_n = output_checks._blocks(words.shape[-1])
+            want = reference.fingerprint(words, rows)
+            assert torch.equal(kernels.fingerprint(words, rows, block_n), want), (dtype, view.stride())
+            assert torch.equal(output_checks.fingerprint(view), want)
+
+
+def test_output_permuted_behind_autograd_raises(device):
+    """A forward hook that flips the norm's output through `.data`: the consumers read the flipped output, a
+    recompute gives the unflipped one, and the same values in other places kept a plain sum's checksum."""
+    torch.manual_seed(0)
+    parent = _Parent(False)
+    parent.to(device)
+
+    def flip(module, args, y):
+        y.data.copy_(y.data.flip(-1))
+
+    parent.norm.register_forward_hook(flip)
+    x = torch.randn(4, H, device=device)
+    with pytest.raises(KeepOutputError, match="written after the norm's forward"):
+        parent(x.requires_grad_()).float().sum().backward()
+        read_checks(lambda: parent(x))
+
+
 def test_device_checks_raise_once_their_copy_lands(monkeypatch, capsys):
     """The order in which a GPU backward's checks are read (`output_checks.check_equal`), with events standing in
     for CUDA's: what has landed is read (the first set flag raises), what is still on its way stays for later, the

@@ -18,7 +18,7 @@ from functools import cache, partial
 import torch
 from torch import Tensor
 
-from . import _torch_compat
+from . import _torch_compat, reference, settings
 
 
 class KeepOutputError(RuntimeError):
@@ -29,24 +29,48 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # eleme
 
 
 def fingerprint(t: Tensor) -> Tensor:
-    """A checksum of the bits of this rank's part of `t` (a device scalar, no sync): the recompute is bitwise the
+    """A checksum of the bits of this rank's part of `t` (a device vector, no sync): the recompute is bitwise the
     output, so a different checksum means the output the consumer saw was written after the norm made it.
 
-    An integer sum of the bit patterns, not a float sum of the values: exact (any one changed element changes it,
-    where an fp32 sum rounds a small change away) and equal for equal bits (NaN and Inf included: a NaN output
-    compares equal to itself). On a GPU it sums 32-bit words in int32, wrapping, at the speed of an fp32 sum (30 vs
-    31 us over a 64 MiB bf16 output on an H200; an int64 accumulator takes 109 us), and 64-bit elements in int64;
-    integer addition in any order gives one result, so both sides' checksums are equal where the bits are. A sum:
-    a write that only moves elements (a permutation) keeps it (docs/memory.md)."""
+    Sums of the hashed bit patterns, one per block of rows (`kernels/fingerprint.py`), not float sums of the
+    values: exact (any one changed element changes its block's sum, where an fp32 sum rounds a small change away),
+    equal for equal bits (NaN and Inf included: a NaN output compares equal to itself), and changed by writes that
+    a plain integer sum keeps (elements moved through `.data`, every element scaled by 2). On a GPU one kernel reads
+    the tensor once in place, at the speed of the plain int32 sum it replaced or faster (29.8 vs 30.4 us over a
+    64 MiB bf16 output on an H200, 64.9 vs 106.3 over a transposed view: `fingerprint_bench.json`); on the CPU
+    (and the torch backend) torch ops compute the same sums."""
     local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
-    words = _words(local)
-    return words.sum(dtype=torch.int32 if local.is_cuda and words.element_size() <= 4 else torch.int64)
+    words = _words_4d(_words(local))
+    rows_per_block, block_n = _blocks(words.shape[-1])
+    backend = settings.get().backend or ("triton" if local.is_cuda else "torch")
+    if backend == "torch" or local.is_meta or words.element_size() not in (2, 4):
+        return reference.fingerprint(words, rows_per_block)
+    return _kernels().fingerprint(words, rows_per_block, block_n)
+
+
+# Words a block's program reads at a time (rows per block x block_n), and the widest block_n: 8 x 512 read a 64 MiB
+# bf16 output at 2.49 TB/s on an H200, 4 x 1024 at 2.26, 16 x 256 at 2.19, and its transposed view at 1.54 / 1.04 /
+# 1.57 TB/s (`fingerprint_bench.json`, benchmarks/results/h200-torch2.11-triton3.6/keep_output_checks/)
+_TILE, _BLOCK_N = 4096, 512
+
+
+def _blocks(n: int) -> tuple[int, int]:
+    """(rows per block, block_n) for rows of `n` words: block_n the row's next power of two, capped."""
+    block_n = min(1 << max(n - 1, 0).bit_length(), _BLOCK_N)
+    return _TILE // block_n, block_n
+
+
+@cache
+def _kernels():
+    from .kernels import fingerprint
+
+    return fingerprint
 
 
 def _words(t: Tensor) -> Tensor:
     """`t`'s elements as integers: 2-byte and 1-byte ones as 32-bit words of consecutive elements of a row where the
-    layout allows (as 16-bit integers they sum at a third of the speed: 106 vs 30 us over 64 MiB of bf16 on an
-    H200), else each as an integer of its size, read in place (a copy would add the view's size to the peak).
+    layout allows (half as many words to load and hash), 8-byte ones as two 32-bit words, else each as an integer of
+    its size, read in place (a copy would add the view's size to the peak).
     Words never span rows, so a tensor and a copy of it whose rows are contiguous read the same words; the
     comparisons are of a view with the same view of the recompute, and of gathered outputs with contiguous rows."""
     size = t.element_size()
@@ -55,7 +79,20 @@ def _words(t: Tensor) -> Tensor:
             return t.view(torch.int32)
         except RuntimeError:  # rows not contiguous (a transposed view, as a matmul saves it), or an odd offset
             pass
+    if size == 8:  # fp64: two 32-bit words where the row allows, else a copy (no norm output is fp64)
+        return t.view(torch.int32) if t.dim() and t.stride()[-1] == 1 else t.contiguous().view(torch.int32)
     return t.view(_BITS[size])
+
+
+def _words_4d(words: Tensor) -> Tensor:
+    """`words` as [d0, d1, d2, n] (rows over the first three dims) in place: size-1 dims in front, or the leading
+    dims of a 5-D or larger view merged where its strides allow (else a copy)."""
+    if words.dim() <= 4:
+        return words.view((1,) * (4 - words.dim()) + tuple(words.shape))
+    try:
+        return words.view(-1, *words.shape[-3:])
+    except RuntimeError:
+        return words.reshape(-1, *words.shape[-3:])
 
 
 def _bits(t: Tensor) -> Tensor:

@@ -56,3 +56,27 @@ def norm_bwd(dy, dz, src, weight, mean, rstd, has_bias: bool, rms: bool, zero_ce
     dweight = (dyf * xhat).sum(0).to(param_dtype) if weight is not None else None
     dbias = dyf.sum(0).to(param_dtype) if has_bias else None
     return dx.to(src.dtype), dweight, dbias
+
+
+def fingerprint(words, rows_per_block: int):
+    """`kernels.fingerprint`'s block sums (int32, their uint32 bits) of 4-D `words` (int32 or int16), in int64 torch
+    ops kept to 32 bits: bitwise the kernel's."""
+    d0, d1, d2, n = words.shape
+    r = d0 * d1 * d2
+    w = words.reshape(r, n).to(torch.int64) & ((1 << 8 * words.element_size()) - 1)  # the words unsigned
+    index = torch.arange(r * n, device=w.device, dtype=torch.int64).view(r, n)
+    h = (w + _mul32(index & _MASK, 0x9E3779B9)) & _MASK
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    h = (h ^ (h >> 16)).sum(1) & _MASK
+    blocks = -(-r // rows_per_block)
+    sums = torch.cat([h, h.new_zeros(blocks * rows_per_block - r)]).view(blocks, rows_per_block).sum(1) & _MASK
+    return (sums - ((sums >> 31) << 32)).to(torch.int32)
+
+
+_MASK = 0xFFFFFFFF
+
+
+def _mul32(h, constant: int):
+    """h * constant modulo 2**32 for h < 2**32, in halves (a full product would pass int64's range)."""
+    return (h * (constant & 0xFFFF) + ((h * (constant >> 16)) << 16)) & _MASK
