@@ -36,9 +36,9 @@ def fingerprint(t: Tensor) -> Tensor:
     values: exact (any one changed element changes its block's sum, where an fp32 sum rounds a small change away),
     equal for equal bits (NaN and Inf included: a NaN output compares equal to itself), and changed by writes that
     a plain integer sum keeps (elements moved through `.data`, every element scaled by 2). On a GPU one kernel reads
-    the tensor once in place, at the speed of the plain int32 sum it replaced or faster (29.8 vs 30.4 us over a
-    64 MiB bf16 output on an H200, 64.9 vs 106.3 over a transposed view: `fingerprint_bench.json`); on the CPU
-    (and the torch backend) torch ops compute the same sums."""
+    the tensor once in place, as fast as the plain int32 sum it replaced or faster (26.8 vs 30.3 us over a 64 MiB
+    bf16 output on an H200, 43.4 vs 106.7 over a transposed view; 2-15 us more host time a call:
+    `fingerprint_bench.json`); on the CPU (and the torch backend) torch ops compute the same sums."""
     local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
     words = _words_4d(_words(local))
     rows_per_block, block_n = _blocks(words.shape[-1])
@@ -49,8 +49,8 @@ def fingerprint(t: Tensor) -> Tensor:
 
 
 # Words a block's program reads at a time (rows per block x block_n), and the widest block_n: 8 x 512 read a 64 MiB
-# bf16 output at 2.49 TB/s on an H200, 4 x 1024 at 2.26, 16 x 256 at 2.19, and its transposed view at 1.54 / 1.04 /
-# 1.57 TB/s (`fingerprint_bench.json`, benchmarks/results/h200-torch2.11-triton3.6/keep_output_checks/)
+# bf16 output at 2.50 TB/s on an H200, 4 x 1024 at 2.25, 16 x 256 at 2.18, and a transposed view of it at 1.53 /
+# 1.03 / 1.58 TB/s (`fingerprint_bench_sweep.json`, benchmarks/results/h200-torch2.11-triton3.6/keep_output_checks/)
 _TILE, _BLOCK_N = 4096, 512
 
 
