@@ -11,8 +11,8 @@ compute the same sums, bitwise.
 """
 
 import torch
-import triton.language as tl
 import triton
+import triton.language as tl
 
 from .launch import Launcher
 
