@@ -1,5 +1,5 @@
 """Where the compiled forward's extra host time goes: shardnorm's compiled norm vs Inductor's own, forward only."""
-import json, os, sys, time
+import json, os
 from pathlib import Path
 import torch
 import shardnorm
