@@ -14,7 +14,7 @@ import torch
 from conftest import rel_err
 from spawn_ranks import DEVICE, spawn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import shardnorm
@@ -138,3 +138,55 @@ def _large_mean_rows(rank, world_size, seed):
 
 def test_hidden_sharded_layer_norm_rows_with_a_large_mean():
     spawn(_large_mean_rows, 2, torch.seed() % 2**31)
+
+
+def _hidden_sharded_layouts(rank, world_size, seed):
+    """Hidden-sharded norms whose rows are sharded too, on a 2-D (rows x hidden) mesh: weight/bias grads are partial
+    sums over the rows' mesh dim (they came back as this rank's sum labelled Replicate there: wrong by 50-100 %
+    after `full_tensor()`); and a hidden dim too narrow for every rank to hold a column (one rank's slice empty:
+    it failed in the reshape while the other rank waited in the all-gather). Output and every grad against a float64
+    single-process run, RMSNorm and LayerNorm with bias, with and without a residual."""
+    torch.manual_seed(seed)
+    # (mesh, x's placements, shape, eps): a one-element row's x.grad is eps-sized against its output's, which fp32
+    # resolves only with a large eps (1e-5 gave a 1e-4 relative error, the cancellation of 1 - xhat^2); its weight
+    # and bias grads are single sums over the rows, kept from cancelling (fp32 rounding against a near-zero sum) by
+    # dy > 0 and, there, x + residual > 0 and of the order of eps
+    cases = [((2, 1), (Shard(0), Shard(-1)), (4, 3, 16), 1e-5), ((1, 2), (Shard(1), Shard(-1)), (2, 4, 16), 1e-5),
+             ((2,), (Shard(-1),), (3, 4, 1), 1.0)]
+    for mesh_shape, placements, shape, eps in cases:
+        mesh = init_device_mesh(DEVICE, mesh_shape)
+        param_placements = [Shard(0) if isinstance(p, Shard) and p.dim == -1 else Replicate() for p in placements]
+        for rms in (True, False):
+            for with_residual in (False, True):
+                x, r, w, b = (torch.randn(s) for s in (shape, shape, shape[-1:], shape[-1:]))
+                dy = torch.rand(shape) + 0.5
+                if shape[-1] == 1:  # x + residual in [0.5, 1.5]: 1 - xhat^2 at least 0.3 with eps 1
+                    x, r = torch.rand(shape) * 0.5 + 0.25, torch.rand(shape) * 0.5 + 0.25
+                ref = [t.double().requires_grad_() for t in (x, r, w, b)]
+                h = ref[0] + ref[1] if with_residual else ref[0]
+                expected = torch.nn.functional.rms_norm(h, shape[-1:], ref[2], eps=eps) if rms else \
+                    torch.nn.functional.layer_norm(h, shape[-1:], ref[2], ref[3], eps=eps)
+                (expected * dy.double()).sum().backward()
+                xd, rd = (distribute_tensor(t, mesh, placements).requires_grad_() for t in (x, r))
+                wd, bd = (distribute_tensor(t, mesh, param_placements).requires_grad_() for t in (w, b))
+                if rms:
+                    y = shardnorm.add_rms_norm(xd, rd, shape[-1:], wd, eps=eps)[0] if with_residual else \
+                        shardnorm.rms_norm(xd, shape[-1:], wd, eps=eps)
+                else:
+                    y = shardnorm.add_layer_norm(xd, rd, shape[-1:], wd, bd, eps=eps)[0] if with_residual else \
+                        shardnorm.layer_norm(xd, shape[-1:], wd, bd, eps=eps)
+                (y * distribute_tensor(dy, mesh, placements)).sum().full_tensor().backward()
+                checked = [("output", y, expected), ("x.grad", xd.grad, ref[0].grad), ("weight.grad", wd.grad,
+                                                                                        ref[2].grad)]
+                if with_residual:
+                    checked.append(("residual.grad", rd.grad, ref[1].grad))
+                if not rms:
+                    checked.append(("bias.grad", bd.grad, ref[3].grad))
+                for what, actual, reference in checked:
+                    err = rel_err(actual.full_tensor(), reference)
+                    assert err <= TOL, (f"mesh {mesh_shape} {placements} rms={rms} residual={with_residual} "
+                                        f"(seed {seed}): {what} rel err {err:.2e}")
+
+
+def test_hidden_sharded_norms_with_sharded_rows_and_empty_slices():
+    spawn(_hidden_sharded_layouts, 2, torch.seed() % 2**31)

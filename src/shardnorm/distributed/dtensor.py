@@ -101,12 +101,23 @@ def _from_local(t, x: DTensor, x_local):
 
 def _hidden_sharded(x, weight, bias, residual, eps, rms, zero_centered, layout: NormLayout, n: int):
     x_local = x.to_local()
-    x2d = as_rows(x_local, x_local.shape[-layout.normalized_ndim:].numel())
-    z = x2d + as_rows(residual.to_local(), x2d.shape[1]) if residual is not None else None
-    w, b = (p.to_local().reshape(-1) if p is not None else None for p in (weight, bias))
+    x2d = _hidden_rows(x_local, layout)
+    z = x2d + _hidden_rows(residual.to_local(), layout) if residual is not None else None
+    # weight/bias grads: partial sums over the rows' mesh dims (a 2-D mesh's dp or cp dim), sharded like the hidden dim
+    w, b = (p.to_local(grad_placements=layout.grad_placements).reshape(-1) if p is not None else None
+            for p in (weight, bias))
     group = layout.mesh.get_group(layout.hidden_mesh_dim)
     y = HiddenShardedNorm.apply(x2d if z is None else z, w, b, eps, rms, zero_centered, group, n)
     return _from_local(y, x, x_local), (_from_local(z, x, x_local) if z is not None else None)
+
+
+def _hidden_rows(local, layout: NormLayout):
+    """A hidden-sharded input's local part as [rows, this rank's columns], also where an uneven shard leaves this
+    rank no columns (`as_rows` cannot infer the rows of an empty row)."""
+    columns = local.shape[local.dim() - layout.normalized_ndim:].numel()
+    if columns:
+        return as_rows(local, columns)
+    return local.reshape(local.shape[:local.dim() - layout.normalized_ndim].numel(), 0)
 
 
 # Traced on CUDA (torch 2.11, NCCL), the hidden-sharded norm's compiled backward gives zero grads to x, weight and
