@@ -43,10 +43,7 @@ from . import _torch_compat, reference, settings
 
 
 def _backend(t: Tensor):
-    name = settings.get().backend or ("triton" if t.is_cuda else "torch")
-    # meta tensors (shape propagation, deferred init) have no data for the kernels: the torch ops give the
-    # output's meta tensors
-    return reference if name == "torch" or t.is_meta else _kernels()
+    return _kernels() if settings.runs_triton(t) else reference
 
 
 @functools.cache

@@ -42,8 +42,7 @@ def fingerprint(t: Tensor) -> Tensor:
     local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
     words = _words_4d(_words(local))
     rows_per_block, block_n = _blocks(words.shape[-1])
-    backend = settings.get().backend or ("triton" if local.is_cuda else "torch")
-    if backend == "torch" or local.is_meta or words.element_size() not in (2, 4):
+    if not settings.runs_triton(local) or words.element_size() not in (2, 4):
         return reference.fingerprint(words, rows_per_block)
     return _kernels().fingerprint(words, rows_per_block, block_n)
 

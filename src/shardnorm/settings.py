@@ -54,3 +54,10 @@ def reload() -> Settings:
     global _current
     _current = None
     return get()
+
+
+def runs_triton(t) -> bool:
+    """Whether work on tensor `t` runs the Triton kernels (`SHARDNORM_BACKEND`, else by device: CUDA tensors) rather
+    than torch ops: the norm (`ops`) and the keep_output checks' checksum (`output_checks`) follow this one rule.
+    Meta tensors (shape propagation, deferred init) have no data for the kernels: torch ops give their outputs."""
+    return (get().backend or ("triton" if t.is_cuda else "torch")) == "triton" and not t.is_meta
