@@ -1066,6 +1066,16 @@ def test_fingerprint_kernel_is_the_torch_sums(triton_backend, shape, dims):
             assert torch.equal(output_checks.fingerprint(view), want)
 
 
+def test_reference_fingerprint_multiplies_modulo_2_32_exactly():
+    """The torch ops' uint32 products (`reference._mul32`, int64 tensors) against Python's exact integers."""
+    from shardnorm import reference
+
+    h = torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(11))
+    h[:2] = torch.tensor([0, 2**32 - 1])
+    for constant in (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35):
+        assert reference._mul32(h, constant).tolist() == [v * constant % 2**32 for v in h.tolist()]
+
+
 def test_output_permuted_behind_autograd_raises(device):
     """A forward hook that flips the norm's output through `.data`: the consumers read the flipped output, a
     recompute gives the unflipped one, and the same values in other places kept a plain sum's checksum."""

@@ -78,5 +78,6 @@ _MASK = 0xFFFFFFFF
 
 
 def _mul32(h, constant: int):
-    """h * constant modulo 2**32 for h < 2**32, in halves (a full product would pass int64's range)."""
-    return (h * (constant & 0xFFFF) + ((h * (constant >> 16)) << 16)) & _MASK
+    """h * constant modulo 2**32 for h < 2**32, in halves, every intermediate within int64's range (a full product,
+    or the high half's product shifted unmasked, would pass it)."""
+    return (h * (constant & 0xFFFF) + (((h * (constant >> 16)) & 0xFFFF) << 16)) & _MASK
