@@ -142,10 +142,10 @@ def test_hidden_sharded_layer_norm_rows_with_a_large_mean():
 
 def _hidden_sharded_layouts(rank, world_size, seed):
     """Hidden-sharded norms whose rows are sharded too, on a 2-D (rows x hidden) mesh: weight/bias grads are partial
-    sums over the rows' mesh dim (they came back as this rank's sum labelled Replicate there: wrong by 50-100 %
-    after `full_tensor()`); and a hidden dim too narrow for every rank to hold a column (one rank's slice empty:
-    it failed in the reshape while the other rank waited in the all-gather). Output and every grad against a float64
-    single-process run, RMSNorm and LayerNorm with bias, with and without a residual."""
+    sums over the rows' mesh dim, `Partial` there (labelled `Replicate`, `full_tensor()` would be 50-100 % off); and
+    a hidden dim too narrow for every rank to hold a column (one rank's slice empty, which must still join the
+    statistics' all-gather, or the other ranks wait in it). Output and every grad against a float64 single-process
+    run, RMSNorm and LayerNorm with bias, with and without a residual."""
     torch.manual_seed(seed)
     # (mesh, x's placements, shape, eps): a one-element row's x.grad is eps-sized against its output's, which fp32
     # resolves only with a large eps (1e-5 gave a 1e-4 relative error, the cancellation of 1 - xhat^2); its weight

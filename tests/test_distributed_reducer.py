@@ -403,8 +403,8 @@ def _accumulate_without_reducer(mesh, seed):
 def _grads_of_chosen_inputs(mesh, seed, counter):
     """`torch.autograd.grad(loss, params)` and `backward(inputs=params)` with a reducer attached: no step's backward
     (nothing accumulates into the reducer's sinks), so the norms' parameters get their grads themselves, the
-    `Partial` sums a model without a reducer gets, and nothing is reduced or left pending. The norms gave them to
-    the sinks, and the grads were silently None."""
+    `Partial` sums a model without a reducer gets, and nothing is reduced or left pending (handed to the sinks,
+    they would reach nothing: the grads silently None)."""
     ref, model = _models(mesh, seed)
     _, plain = _models(mesh, seed)
     reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)

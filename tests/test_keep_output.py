@@ -262,8 +262,8 @@ class _OffloadOnce:
 def test_hooks_pushed_inside_the_model_keep_the_option_inert(hooks):
     """Saved-tensors hooks pushed inside a scoped model (HF's gradient checkpointing, non-reentrant by default; a
     per-layer offload) take the consumers' saves themselves: the option must leave them alone. Reading the norm's own
-    saves in the forward ran their unpack there: the checkpoint recomputed each block in the forward (4 block forwards
-    where 1 was due), and a single-use unpack left the backward without its tensor."""
+    saves in the forward would run their unpack there: the checkpoint would recompute each block in the forward (4
+    block forwards where 1 is due), and a single-use unpack would leave the backward without its tensor."""
     offload = _OffloadOnce()
 
     def wrap(block, x):
@@ -1078,7 +1078,7 @@ def test_reference_fingerprint_multiplies_modulo_2_32_exactly():
 
 def test_output_permuted_behind_autograd_raises(device):
     """A forward hook that flips the norm's output through `.data`: the consumers read the flipped output, a
-    recompute gives the unflipped one, and the same values in other places kept a plain sum's checksum."""
+    recompute gives the unflipped one, and the same values in other places keep a plain sum's checksum."""
     torch.manual_seed(0)
     parent = _Parent(False)
     parent.to(device)
