@@ -36,7 +36,7 @@ def fingerprint(t: Tensor) -> Tensor:
     values: exact (any one changed element changes its block's sum, where an fp32 sum rounds a small change away),
     equal for equal bits (NaN and Inf included: a NaN output compares equal to itself), and changed by writes that
     a plain integer sum keeps (elements moved through `.data`, every element scaled by 2). On a GPU one kernel reads
-    the tensor once in place, as fast as the plain int32 sum it replaced or faster (26.8 vs 30.3 us over a 64 MiB
+    the tensor once in place, as fast as a plain int32 sum of the words or faster (26.8 vs 30.3 us over a 64 MiB
     bf16 output on an H200, 43.4 vs 106.7 over a transposed view; 2-15 us more host time a call:
     `fingerprint_bench.json`); on the CPU (and the torch backend) torch ops compute the same sums."""
     local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
