@@ -12,7 +12,7 @@ fi
 # the launchers the tests start (launch/train.sh, launch/deepspeed.sh) run under the same interpreter
 export PYTHON
 if (( $# == 0 )); then
-  echo "tests/run.sh: the whole suite, about 16 min of pytest on 2 CPU cores (a new .venv adds 1 to 4 min)" >&2
+  echo "tests/run.sh: the whole suite, about 13 to 16 min of pytest on 2 CPU cores (a new .venv adds 1 to 4 min)" >&2
 fi
 # pytest's default verbosity: one line per test file, named before its tests run, with the suite's progress in %.
 # pytest's own exit status, 5 (no tests collected) included, is the command's
