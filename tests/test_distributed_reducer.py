@@ -371,6 +371,7 @@ def _step_with_pending_partials(mesh, seed, counter):
     with shardnorm.accumulate(model):
         for _ in range(MICRO_BATCHES):
             _micro_batch(model, ref, mesh, *_data())
+    assert _step_checks() == 1, "grads pending and no step check"
     with pytest.raises(RuntimeError, match=r"norm grads are not reduced yet.*shardnorm\.finalize_grads\(model\)"):
         opt.step()
     other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.0)
@@ -378,6 +379,7 @@ def _step_with_pending_partials(mesh, seed, counter):
     shardnorm.finalize_grads(model)
     _check_grads(model, ref, "finalize_grads after the refused step")
     opt.step()
+    assert _step_checks() == 0, "the step check stayed after the grads were reduced"
     opt.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
 
@@ -532,19 +534,28 @@ def test_pending_partial_sums_follow_zero_grad_and_step():
     spawn(_lifecycle, 2, seed)
 
 
-def test_optimizer_step_check_comes_with_the_first_reducer():
-    """torch.optim's global step pre-hook (no step over norm grads still pending) is installed with the process's
-    first reducer: `import shardnorm.distributed` alone leaves every optimizer as torch leaves it."""
+def _step_checks() -> int:
+    """shardnorm's hooks among torch.optim's global step pre-hooks."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    return sum(getattr(h, "__module__", "").startswith("shardnorm") for h in _global_optimizer_pre_hooks.values())
+
+
+def test_optimizer_step_check_only_while_grads_are_pending():
+    """torch.optim's global step pre-hook (no step over norm grads still pending) is there only while a reducer
+    holds grads accumulated for a step (`_step_with_pending_partials` sees it come and go): importing shardnorm and
+    attaching a reducer leave every optimizer as torch leaves it."""
     import subprocess
     import sys
 
     code = ("import torch, torch.optim.optimizer as o, shardnorm, shardnorm.distributed as d;"
-            "n = len(o._global_optimizer_pre_hooks);"
             "d.attach_reducer(torch.nn.Sequential(shardnorm.LayerNorm(4)));"
-            "print(n, len(o._global_optimizer_pre_hooks))")
+            "m = torch.nn.Sequential(shardnorm.LayerNorm(4)); d.attach_reducer(m);"
+            "m(torch.randn(2, 4)).sum().backward(); torch.optim.SGD(m.parameters()).step();"
+            "print(len(o._global_optimizer_pre_hooks))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["0", "1"], out.stdout
+    assert out.stdout.split()[-1:] == ["0"], out.stdout
 
 
 def test_accumulate_and_finalize_leave_a_model_without_a_reducer_as_it_was():

@@ -153,6 +153,10 @@ class PartialGrads(GradAttributeSource):
         self._pending = True
         if self.boundary():
             self.reducer.note_backward()
+        else:
+            from shardnorm.distributed.reducer import arm_step_check  # the reducer's module imports this one
+
+            arm_step_check()
 
     @property
     def pending(self) -> bool:

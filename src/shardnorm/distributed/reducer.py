@@ -277,7 +277,6 @@ class NormGradReducer:
                              f"source {type(self.source).__name__} is harvested once per step, use reduce='bucketed'")
         self.source.attach(self)
         _REDUCERS.add(self)
-        _install_step_check()
 
     @property
     def num_buckets(self) -> int:
@@ -424,6 +423,7 @@ class NormGradReducer:
             self._lay_out_staged()
             for b in self.buckets:
                 b.stash()
+            arm_step_check()
 
     def _unstash_all(self) -> None:
         """Every stashed sum back into the buckets (only laid-out slots are ever stashed: `_end_backward`)."""
@@ -510,27 +510,35 @@ class NormGradReducer:
 
 
 _REDUCERS: "weakref.WeakSet[NormGradReducer]" = weakref.WeakSet()
+_step_check = None  # the handle of torch.optim's global step pre-hook while some reducer holds pending grads
+
+
+def arm_step_check() -> None:
+    """A reducer now holds grads accumulated for a step (`accumulate`): until none does, torch.optim's global step
+    pre-hook refuses a step over them. Only then: a process whose reducers hold nothing pending, and every process
+    without one, keeps its optimizers as torch leaves them."""
+    global _step_check
+    if _step_check is None:
+        _step_check = register_optimizer_step_pre_hook(_refuse_pending_step)
 
 
 def _refuse_pending_step(optimizer, args, kwargs) -> None:
-    """torch.optim global step pre-hook: no step over norm parameters whose partial sums are still pending."""
-    for reducer in list(_REDUCERS):
-        if reducer.has_pending:
-            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if not stepped.isdisjoint(reducer._slots):
-                raise RuntimeError(
-                    "shardnorm: optimizer.step() over norm parameters whose grads are still accumulating: the norm "
-                    "grads are not reduced yet (the step's last backward ran inside shardnorm.accumulate(model)). "
-                    "Run the last micro-batch's backward outside accumulate, or call "
-                    "shardnorm.finalize_grads(model) before clipping and stepping; shardnorm.discard_pending(model) "
-                    "drops them")
-
-
-@functools.cache
-def _install_step_check() -> None:
-    """torch.optim's global step pre-hook, installed with the process's first reducer: a process that never hands
-    a model to a reducer keeps its optimizers as torch leaves them."""
-    register_optimizer_step_pre_hook(_refuse_pending_step)
+    """No step over norm parameters whose partial sums are still pending; the hook goes once nothing is pending
+    (finalized, discarded or zeroed)."""
+    global _step_check
+    pending = [reducer for reducer in list(_REDUCERS) if reducer.has_pending]
+    if not pending and _step_check is not None:
+        _step_check.remove()
+        _step_check = None
+    for reducer in pending:
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not stepped.isdisjoint(reducer._slots):
+            raise RuntimeError(
+                "shardnorm: optimizer.step() over norm parameters whose grads are still accumulating: the norm "
+                "grads are not reduced yet (the step's last backward ran inside shardnorm.accumulate(model)). "
+                "Run the last micro-batch's backward outside accumulate, or call "
+                "shardnorm.finalize_grads(model) before clipping and stepping; shardnorm.discard_pending(model) "
+                "drops them")
 
 
 def _as_grad(param, values: torch.Tensor) -> torch.Tensor:
