@@ -214,15 +214,38 @@ def test_torch_compile_fullgraph_matches_eager():
         assert rel_err(got, eager_grad) < 1e-5 and rel_err(got, want_grad) < 1e-5, i
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_default_eps_is_torchs(dtype):
+    """eps=None is torch's rms_norm default for every dtype: the float32 epsilon it computes with (ATen's opmath type),
+    not the input dtype's (bf16's 7.8e-3 made rows of small values come out up to 99 % smaller), in the function, the
+    module and a converted `torch.nn.RMSNorm`. Rows small enough that eps matters."""
+    seed = torch.seed()
+    print(f"seed {seed}")
+    x = (torch.randn(6, 64) * torch.tensor([1, 1e-1, 1e-2, 1e-3, 3e-4, 1e-4])[:, None]).to(dtype)
+    w = (1 + 0.2 * torch.randn(64)).to(dtype)
+    want = torch.nn.functional.rms_norm(x.double(), (64,), w.double(), eps=torch.finfo(torch.float32).eps)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.nn.functional.rms_norm(x.double(), (64,), w.double()).sub(want).abs().max() > 0.01  # eps matters
+    assert rel_err(shardnorm.rms_norm(x, (64,), w), want) < tol
+    norm = shardnorm.RMSNorm(64, dtype=dtype)
+    torch_norm = torch.nn.Sequential(torch.nn.RMSNorm(64, dtype=dtype))
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        torch_norm[0].weight.copy_(w)
+    assert rel_err(norm(x), want) < tol
+    shardnorm.convert(torch_norm)
+    assert isinstance(torch_norm[0], shardnorm.RMSNorm) and rel_err(torch_norm(x), want) < tol
+
+
 def test_norm_takes_a_given_eps_without_resolving_it_again(monkeypatch):
     """`functional._norm` uses a given eps as it is (a module resolves it once, for the norm and for its output
-    recompute) and resolves only None, to finfo(x.dtype).eps (torch's rms_norm default)."""
+    recompute) and resolves only None, to torch's rms_norm default."""
     from shardnorm import functional as F
 
     seed = torch.seed()
     print(f"seed {seed}")
     calls, resolve = [], F.resolve_eps
-    monkeypatch.setattr(F, "resolve_eps", lambda eps, dtype: calls.append(eps) or resolve(eps, dtype))
+    monkeypatch.setattr(F, "resolve_eps", lambda eps: calls.append(eps) or resolve(eps))
     x, w = torch.randn(3, 16), torch.randn(16)
     y, _ = F._norm(x, None, 16, w, None, 0.5, True, False)
     assert calls == []

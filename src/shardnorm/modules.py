@@ -57,7 +57,7 @@ class _FusedNorm:
             y, z = F._norm(x, residual, self.normalized_shape, weight, bias, self.eps, self._rms,
                            self.zero_centered_gamma)
         else:
-            eps = F.resolve_eps(self.eps, x.dtype)
+            eps = F.resolve_eps(self.eps)
             y, z = F._norm(x, residual, self.normalized_shape, weight, bias, eps, self._rms, self.zero_centered_gamma)
             output_recompute.track(self, y, x if residual is None else z, weight, bias, eps, self._rms,
                                    self.zero_centered_gamma, math.prod(self.normalized_shape))
