@@ -1,5 +1,7 @@
 """Drop-in modules: torch.nn compatibility, convert(), torch.compile."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -212,6 +214,67 @@ def test_torch_compile_fullgraph_matches_eager():
     assert rel_err(compiled, eager) < 1e-6 and rel_err(compiled, want) < 1e-5
     for i, (got, eager_grad, want_grad) in enumerate(zip(compiled_grads, eager_grads, want_grads)):
         assert rel_err(got, eager_grad) < 1e-5 and rel_err(got, want_grad) < 1e-5, i
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_batched_grads_match_torch(backend, device, rms):
+    """A backward batched over its grads (`torch.autograd.grad(..., is_grads_batched=True)`, `jacobian(vectorize=True)`)
+    gives torch's grads on every backend: the kernels cannot read its batched tensors (they raised), so such a backward
+    takes torch ops."""
+    seed = torch.seed()
+    print(f"seed {seed}")
+    x = torch.randn(3, 24, device=device, dtype=torch.float64)
+    w, b = torch.randn(24, device=device, dtype=torch.float64), torch.randn(24, device=device, dtype=torch.float64)
+    cotangents = torch.randn(5, 3, 24, device=device, dtype=torch.float64)
+
+    def norm(library, x, w, b):
+        if rms:
+            return library.rms_norm(x, (24,), w, 1e-5)
+        return library.layer_norm(x, (24,), w, b, 1e-5)
+
+    leaves = [t.float().requires_grad_() for t in (x, w, b)]
+    got = torch.autograd.grad(norm(shardnorm, *leaves), leaves[:2], cotangents.float(), is_grads_batched=True)
+    leaves64 = [t.requires_grad_() for t in (x, w, b)]
+    wanted = torch.autograd.grad(norm(torch.nn.functional, *leaves64), leaves64[:2], cotangents,
+                                 is_grads_batched=True)
+    for g, r in zip(got, wanted):
+        assert g.shape == r.shape and rel_err(g, r) < 1e-5
+    w, b = w.detach(), b.detach()
+    jacobian = torch.autograd.functional.jacobian(lambda t: norm(shardnorm, t, w.float(), b.float()), x.float(),
+                                                  vectorize=True)
+    want_jacobian = torch.autograd.functional.jacobian(lambda t: norm(torch.nn.functional, t, w, b), x.detach(),
+                                                       vectorize=True)
+    assert rel_err(jacobian, want_jacobian) < 1e-5
+
+
+def test_compiled_autograd_over_an_eager_forward_has_no_graph_break(backend, device):
+    """Compiled autograd traces the norms' backward into its graph, fullgraph, over an eager forward (the backward's
+    choice between launching the kernels and calling the op read dispatch state Dynamo cannot trace: a break per
+    norm), with the eager backward's grads."""
+    seed = torch.seed()
+    print(f"seed {seed}")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), shardnorm.RMSNorm(16), torch.nn.Linear(16, 16),
+                                shardnorm.LayerNorm(16)).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    x = torch.randn(3, 5, 16, device=device)
+
+    def grads(compiled_backward: bool):
+        model.zero_grad(set_to_none=True)
+        loss = model(x).square().sum()
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=True)) \
+                if compiled_backward else contextlib.nullcontext():
+            loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = grads(True)
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for got, want in zip(compiled, grads(False)):
+        assert rel_err(got, want) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -105,6 +105,12 @@ def functorch_transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def is_batched_grad(t) -> bool:
+    """Whether `t` is a grad batched by `torch.autograd.grad(..., is_grads_batched=True)` (the vmap prototype it
+    runs the backward under, which torch.func's interpreter stack does not show)."""
+    return t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
+
+
 def innermost_functorch_transform() -> str | None:
     """The innermost running torch.func transform's kind ("Vmap", "Grad", "Jvp", "Functionalize"), None outside."""
     interpreter = torch._C._functorch.peek_interpreter_stack()

@@ -322,9 +322,19 @@ class _NormFunction(torch.autograd.Function):
                 if type(dy) not in _PLAIN or type(dz) not in _PLAIN:
                     dy, dz = _ready(dy), _ready(dz)
                     direct = _eager_ok(dy, dz)
-            # the forward's rule again: a dispatch mode entered around the backward alone sees the op too
-            run_bwd = _backward_kernels if direct and not _ops_observed() else norm_bwd
-        dx, dweight, dbias = _grads(run_bwd, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, eps)
+            # the forward's rule again: a dispatch mode entered around the backward alone sees the op too; compiled
+            # autograd traces the op (the rule's own checks are no ops Dynamo can trace)
+            run_bwd = _backward_kernels if direct and not torch.compiler.is_compiling() and not _ops_observed() \
+                else norm_bwd
+        try:  # costs nothing until it catches
+            dx, dweight, dbias = _grads(run_bwd, dy, dz, src, weight, mean, rstd, has_bias, rms, zero_centered, eps)
+        except (RuntimeError, NotImplementedError):
+            if not _torch_compat.is_batched_grad(dy):
+                raise
+            # a batched backward (`is_grads_batched`, `jacobian(vectorize=True)`), whose tensors the kernels cannot
+            # read: torch ops, which it batches
+            dx, dweight, dbias = _grads(reference.norm_bwd, dy, dz, src, weight, mean, rstd, has_bias, rms,
+                                        zero_centered, eps)
         if (sink_w or sink_b) and not torch.compiler.is_compiling():
             sink_w, sink_b = _reached_sinks(ctx.sinks)
         to_w, to_b = (None if sink_w else dweight), (None if sink_b else dbias)
