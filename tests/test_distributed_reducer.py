@@ -345,8 +345,8 @@ def _zero_grad_discards_pending(mesh, seed):
         _abandoned_step(model, mesh)
         assert reducer.has_pending, case
         zero(model, opt)
-        if "set_to_none" in case:
-            assert not reducer.has_pending, f"{case}: zero_grad left partial sums pending"
+        assert not reducer.has_pending, f"{case}: zero_grad left partial sums pending"
+        opt.step()  # zeroed: nothing to refuse (torch.distributed.checkpoint steps over zero grads to build its state)
         _clean_step(model, ref, mesh, f"{case}: step after the abandoned one")
 
 
@@ -360,6 +360,73 @@ def _in_place_zero_after_bucket_stash(mesh, seed):
         assert all(b.stashed is not None for b in reducer.buckets), f"{case}: no bucket stashed as one piece"
         ZERO_GRADS[case](model, None)
         _clean_step(model, ref, mesh, f"{case}, after a stash a bucket at a time")
+
+
+class _Raised(Exception):
+    pass
+
+
+def _backward_that_raises(mesh, seed):
+    """A backward that raises midway (an OOM, a failing hook) after some norms gave their grads, inside `accumulate`
+    or as the step's last one, the step given up with each zero_grad: the next step's grads are its own (the sums
+    of the failed backward had stayed behind, 0.9-1.4 relative error), and nothing stays pending."""
+    for where in ("inside accumulate", "the step's last"):
+        for case in ("optimizer, set_to_none", "module, zeros"):
+            ref, model = _models(mesh, seed)
+            reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            _clean_step(model, ref, mesh, f"{where}, {case}: first step")
+            opt.step()
+            ZERO_GRADS[case](model, opt)
+            with shardnorm.accumulate(model):
+                _micro_batch(model, ref, mesh, *_data())
+            xd = distribute_tensor(torch.randn(2, 8, HIDDEN), mesh, [Shard(1)]).requires_grad_()
+            h = model.norms[0](xd)
+            h.register_hook(lambda grad: (_ for _ in ()).throw(_Raised()))  # after the later norms' grads
+            for norm in model.norms[1:]:
+                h = norm(h * 1.5)
+            with pytest.raises(_Raised), shardnorm.accumulate(model) if where == "inside accumulate" \
+                    else nullcontext():
+                h.sum().full_tensor().backward()
+            assert reducer._backward_task is None, f"{where}, {case}: the failed backward is still running"
+            ZERO_GRADS[case](model, opt)
+            ref.zero_grad(set_to_none=True)
+            assert not reducer.has_pending, f"{where}, {case}: the zeroing left sums pending"
+            shardnorm.discard_pending(model)
+            _clean_step(model, ref, mesh, f"{where}, {case}: the step after the failed backward")
+
+
+def _carried_grads_changed_mid_step(mesh, seed):
+    """`.grad` kept from the last step (no zero_grad between steps), then zeroed or scaled in place between the
+    micro-batches: the grads are torch's, the kept part counted once (zeroing gave minus it, once per other rank)."""
+    changes = {"zeroed": lambda g: g.zero_(), "halved": lambda g: g.mul_(0.5)}
+    for case, change in changes.items():
+        ref, model = _models(mesh, seed)
+        attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+        _clean_step(model, ref, mesh, f"{case}: first step")
+        with shardnorm.accumulate(model):
+            _micro_batch(model, ref, mesh, *_data())
+        _each_grad(model, change)
+        _each_grad(ref, change)
+        _clean_step(model, ref, mesh, f"{case}: .grad kept from the last step, {case} mid-step")
+
+
+def _deepcopy_with_grads(mesh, seed):
+    """A deep copy of the model (an EMA copy, `AveragedModel`) after a step and between micro-batches: the copy's
+    grads are the model's (the reducer's `.grad`s were views of one bucket at offsets, which torch cannot copy)."""
+    import copy
+
+    ref, model = _models(mesh, seed)
+    attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+    _clean_step(model, ref, mesh, "before the copies")
+    for when in ("after a step", "between micro-batches"):
+        copied = copy.deepcopy(model)
+        for (name, p), q in zip(model.named_parameters(), copied.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), f"{when}: {name}.grad"
+        model.zero_grad(set_to_none=True)
+        with shardnorm.accumulate(model):
+            _micro_batch(model, ref, mesh, *_data())
+    shardnorm.discard_pending(model)
 
 
 def _step_with_pending_partials(mesh, seed, counter):
@@ -522,6 +589,9 @@ def _lifecycle(rank, world_size, seed):
     counter = _AllReduceCounter()
     _zero_grad_discards_pending(mesh, seed)
     _in_place_zero_after_bucket_stash(mesh, seed)
+    _backward_that_raises(mesh, seed)
+    _carried_grads_changed_mid_step(mesh, seed)
+    _deepcopy_with_grads(mesh, seed)
     _step_with_pending_partials(mesh, seed, counter)
     _accumulate_without_reducer(mesh, seed)
     _grads_of_chosen_inputs(mesh, seed, counter)

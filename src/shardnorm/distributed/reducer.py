@@ -16,8 +16,9 @@ Megatron-Core keeps them in its grad buffer): however the user zeroes grads (`ze
 `p.grad.zero_()`, `p.grad.data.zero_()`), the zeroing reaches them. The step's last backward takes them back out
 before its buckets are reduced: the exact fp32 sums where `.grad` still holds what was written there, so a bf16
 `.grad` rounds the step's sum once. Where a bucket's `.grad`s are all None (after `zero_grad(set_to_none=True)`),
-the reducer writes them as views of one new tensor per bucket, as DDP's `gradient_as_bucket_view` does: a few
-kernels per bucket instead of a few per parameter.
+the reducer writes them all in one copy (`torch.split_with_sizes_copy`): a few kernels per bucket instead of a few
+per parameter. A backward that raises leaves its sums in `.grad` as an accumulating backward does, so the user's
+zeroing of a step given up reaches them.
 """
 
 import functools
@@ -60,13 +61,13 @@ class _Slot:
         micro-batch instead of once."""
         param = self.param
         self._unbatch()
-        kept = self._stashed_sum() if self.stashed else None
+        kept, base = self._kept() if self.stashed else (None, None)
         if kept is None:  # the step's first stash, or .grad set to None since the last one
             self.base = None if param.grad is None else \
                 local_tensor(param.grad).reshape(-1).to(torch.float32, copy=True)
             self.total = self.data.clone()
         else:
-            self.total = kept.add_(self.data)
+            self.base, self.total = base, kept.add_(self.data)
         values = (self.total if self.base is None else self.base + self.total).to(param.dtype)
         if param.grad is None:
             param.grad = _as_grad(param, values.clone())
@@ -82,45 +83,58 @@ class _Slot:
         if self.bucket is not None:
             self.bucket.stashed = None
 
-    def _stashed_sum(self):
-        """The stashed fp32 sum as the user's handling of `.grad` left it: None where `.grad` was set to None;
-        elementwise, the exact sum where `.grad` still holds what `stash` wrote, else `.grad` less what it held
-        before the step (zeroed through `zero_grad`, `.data` or anything else)."""
+    def _kept(self) -> tuple:
+        """(the stashed fp32 sum, what `.grad` goes back to when the sum is taken out) as the user's handling of
+        `.grad` left them; (None, None) where `.grad` was set to None. Elementwise: where `.grad` still holds what
+        `stash` wrote, the exact sum and what `.grad` held before the step; elsewhere the user changed `.grad`
+        (zeroed or scaled it through `zero_grad`, `.data` or anything else), and the change applies to both parts
+        alike: the sum is reduced over the ranks, the part held before (the last step's reduced grad, the same on
+        every rank) is not, so it must not be counted once per rank."""
         if self.param.grad is None:
-            return None
+            return None, None
         now = local_tensor(self.param.grad).reshape(-1)
-        from_grad = now.float() if self.base is None else now.float() - self.base
-        return torch.where(now == self.written, self.total, from_grad)
+        same = now == self.written
+        if self.base is None:
+            return torch.where(same, self.total, now.float()), None
+        written = self.written.float()
+        ratio = torch.where(written != 0, now.float() / written, 0.0)
+        base = torch.where(same, self.base, torch.where(written != 0, ratio * self.base, now.float()))
+        return torch.where(same, self.total, ratio * self.total), base
+
+    def holds_sum(self) -> bool:
+        """Whether a stashed sum is left after the user's handling of `.grad` (a read of the device)."""
+        kept, _ = self._kept()
+        return kept is not None and bool(kept.any())
 
     def unstash(self) -> None:
         """Take back out of `.grad` what is left of the stashed sum, leaving `.grad` as it was before the step."""
         if not self.stashed:
             return
         self._unbatch()
-        kept = self._stashed_sum()
+        kept, base = self._kept()
         if kept is not None:
             self.data.add_(kept)
             self.touched = True
             if self.bucket is not None:
                 self.bucket.dirty = True
-        self._restore_grad()
+        self._restore_grad(base)
 
     def drop(self) -> None:
         """Forget the pending sum, `.grad` back to what it was before the step."""
         self._unbatch()
         if self.stashed:
-            self._restore_grad()
+            self._restore_grad(self.base)
         self.data.zero_()
         self.touched = False
 
-    def _restore_grad(self) -> None:
-        """`.grad` as it was before the step's first stash (None where it was None); nothing stashed any more."""
+    def _restore_grad(self, base) -> None:
+        """`.grad` back to `base` (None: to None); nothing stashed any more."""
         if self.param.grad is not None:
-            if self.base is None:
+            if base is None:
                 self.param.grad = None
             else:
                 local = local_tensor(self.param.grad)
-                local.copy_(self.base.view_as(local))
+                local.copy_(base.view_as(local))
         self.stashed, self.base, self.total, self.written, self.grad = False, None, None, None, None
 
 
@@ -148,7 +162,7 @@ class _Bucket:
     (a user's own `.grad`, some set to None, a norm unused in a micro-batch), each slot does it on its own
     (`_Slot`)."""
 
-    __slots__ = ("group", "flat", "slots", "pending", "work", "dirty", "pieces", "stashed")
+    __slots__ = ("group", "flat", "slots", "pending", "work", "dirty", "pieces", "sizes", "stashed")
 
     def __init__(self, group, flat: torch.Tensor, slots: list[_Slot]):
         self.group, self.flat, self.slots = group, flat, slots
@@ -157,7 +171,10 @@ class _Bucket:
         for s in slots:
             offsets.append(offsets[-1] + s.data.numel())
         self.pieces = list(zip(offsets[:-1], offsets[1:]))
-        self.stashed = None  # (total, written, grads): the slots' stashed state as three flat tensors, or None
+        self.sizes = [s.data.numel() for s in slots]
+        # (total, written, grads): the slots' stashed state, the first two as flat tensors, grads the `.grad`s'
+        # tensors, or None
+        self.stashed = None
 
     def _dtype(self):
         """The slots' params' one dtype, or None where they differ (then slot by slot)."""
@@ -167,10 +184,17 @@ class _Bucket:
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[a:b] for a, b in self.pieces]
 
+    def _copies(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The slots' pieces of `flat` as tensors of their own, in one copy: `.grad`s that are views of one tensor
+        would be as few kernels, but torch cannot deepcopy a DTensor over a view at an offset (a model copied for
+        EMA or `AveragedModel` after a backward)."""
+        return list(torch.split_with_sizes_copy(flat, self.sizes))
+
     def _stashed_sum(self) -> torch.Tensor:
-        """`_Slot._stashed_sum` of every slot at once (each slot's `.grad` is the one stashed, nothing held before)."""
+        """`_Slot._kept`'s sum for every slot at once (each slot's `.grad` is the one stashed, nothing held before)."""
         total, written, grads = self.stashed
-        return torch.where(grads == written, total, grads.float())
+        now = torch.cat(grads)
+        return torch.where(now == written, total, now.float())
 
     def _in_one_piece(self) -> bool:
         """Whether the last stash was the whole bucket's and every `.grad` is still the object it wrote."""
@@ -190,14 +214,14 @@ class _Bucket:
         if not any(s.stashed for s in slots) and all(s.param.grad is None for s in slots):
             total = self.flat.clone()
             written = total.to(dtype)
-            grads = written.clone()
-            for s, view in zip(slots, self._views(grads)):
-                s.param.grad = _as_grad(s.param, view)
+            grads = self._copies(written)
+            for s, grad in zip(slots, grads):
+                s.param.grad = _as_grad(s.param, grad)
         elif self._in_one_piece():
             grads = self.stashed[2]
             total = self._stashed_sum().add_(self.flat)
             written = total.to(dtype)
-            grads.copy_(written)
+            torch.split_with_sizes_copy(written, self.sizes, out=grads)
         else:
             return False
         for s, t, w in zip(slots, self._views(total), self._views(written)):
@@ -215,7 +239,7 @@ class _Bucket:
             return
         self.flat.add_(self._stashed_sum())
         for s in self.slots:
-            s._restore_grad()  # nothing held before the stash: .grad back to None
+            s._restore_grad(None)  # nothing held before the stash: .grad back to None
             s.touched = True
         self.stashed, self.dirty = None, True
 
@@ -234,10 +258,9 @@ class _Bucket:
         if dtype is None or not any(touched) \
                 or any(t and s.param.grad is not None for s, t in zip(self.slots, touched)):
             return False
-        values = self.flat.to(dtype, copy=True)
-        for s, t, view in zip(self.slots, touched, self._views(values)):
+        for s, t, grad in zip(self.slots, touched, self._copies(self.flat.to(dtype))):
             if t:
-                s.param.grad = _as_grad(s.param, view)
+                s.param.grad = _as_grad(s.param, grad)
                 s.touched = False
         self.flat.zero_()
         return True
@@ -270,6 +293,7 @@ class NormGradReducer:
         self._late: list[tuple[_Slot, torch.Tensor]] = []  # arrived after their bucket was launched
         self._per_layer: list[tuple[object, torch.Tensor, list[_Slot]]] = []
         self._backward_task: int | None = None  # autograd graph task whose end we wait for
+        self._run: weakref.ref | None = None  # that backward's `_BackwardRun`, held by its end callback
         self._syncing = False
         self.source = source if source is not None else NormBackward()
         if reduce == "per_layer" and not isinstance(self.source, NormBackward):
@@ -290,10 +314,9 @@ class NormGradReducer:
 
     @property
     def has_pending(self) -> bool:
-        """Whether accumulated grads are waiting for the step's reduction (a zero_grad that set `.grad` to None
-        since drops them)."""
-        return any(s.touched or s.stashed and s.param.grad is not None for s in self._slots.values()) \
-            or self.source.pending
+        """Whether accumulated grads are waiting for the step's reduction: not the sums a zero_grad since dropped
+        or zeroed (for stashed sums, a read of the device)."""
+        return any(s.touched or s.stashed and s.holds_sum() for s in self._slots.values()) or self.source.pending
 
     def __deepcopy__(self, memo):
         """A deep copy of the model (an EMA copy; torch.optim.swa_utils.AveragedModel) gets no reducer: a reducer
@@ -409,10 +432,12 @@ class NormGradReducer:
         for b in self.buckets:
             b.pending = sum(s.expected for s in b.slots)
         self.source.begin_backward()
-        queue_backward_callback(self._end_backward)
+        run = _BackwardRun()
+        self._run = weakref.ref(run, functools.partial(_run_gone, weakref.ref(self)))
+        queue_backward_callback(functools.partial(self._end_backward, run))
 
-    def _end_backward(self) -> None:
-        self._backward_task = None
+    def _end_backward(self, run: "_BackwardRun") -> None:
+        self._backward_task, self._run = None, None
         for s in self._slots.values():
             if s.count:
                 s.expected, s.count = s.count, 0
@@ -424,6 +449,28 @@ class NormGradReducer:
             for b in self.buckets:
                 b.stash()
             arm_step_check()
+
+    def _abandon_backward(self) -> None:
+        """The backward raised, and its end callback will never run. What it reduced (buckets launched with all
+        their grads, per-layer reductions) goes to `.grad` as a step's end writes it; every other sum, this
+        backward's and the step's earlier ones, waits in `.grad` as after an accumulating backward, so a step given up
+        with `zero_grad` (as with torch's norms) leaves nothing behind, and a step that goes on includes them."""
+        self._backward_task, self._run, self._syncing = None, None, False
+        for s in self._slots.values():
+            s.count = 0
+        self._finish_per_layer()
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work, b.dirty = None, False
+                b.write_grads()
+        late, self._late = self._late, []
+        for s, g in late:
+            self._accumulate(s, g)
+        self._lay_out_staged()
+        for b in self.buckets:
+            b.stash()
+        arm_step_check()
 
     def _unstash_all(self) -> None:
         """Every stashed sum back into the buckets (only laid-out slots are ever stashed: `_end_backward`)."""
@@ -507,6 +554,19 @@ class NormGradReducer:
             _add_into(slots, flat)
         for b in self.buckets:
             b.write_grads()
+
+
+class _BackwardRun:
+    """A backward a reducer takes part in, held by the end callback queued on its graph task: it goes with that
+    task, so gone while still the reducer's run means the backward raised before its end."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _run_gone(reducer_ref, run_ref) -> None:
+    reducer = reducer_ref()
+    if reducer is not None and reducer._run is run_ref:
+        reducer._abandon_backward()
 
 
 _REDUCERS: "weakref.WeakSet[NormGradReducer]" = weakref.WeakSet()
