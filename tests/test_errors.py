@@ -141,3 +141,12 @@ def test_flag_types():
     with pytest.raises(TypeError, match="keep_output must be a bool"):
         shardnorm.convert(model, keep_output="no")
     assert type(model[0]) is torch.nn.LayerNorm  # refused before anything was converted
+
+
+def test_nested_tensor_is_named():
+    """A jagged nested tensor (packed variable-length sequences), which torch's norms take: an error naming it
+    (it failed inside a reshape, naming no argument)."""
+    nested = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)], layout=torch.jagged)
+    for norm in (shardnorm.LayerNorm(8), shardnorm.RMSNorm(8)):
+        with pytest.raises(TypeError, match="x is a nested tensor"):
+            norm(nested)

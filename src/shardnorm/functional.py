@@ -68,6 +68,9 @@ def check_zero_centered(zero_centered) -> None:
 
 
 def _check(x: Tensor, residual, shape: tuple, weight, bias) -> None:
+    if x.is_nested:
+        raise TypeError("x is a nested tensor, which shardnorm's norms do not take: pad its sequences into one tensor, "
+                        "or use torch.nn.functional.layer_norm / rms_norm for it")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if len(shape) == 0 or min(shape) <= 0:
