@@ -300,6 +300,49 @@ def test_fsdp_tp2_pending_partial_sums():
     spawn(_tp2_pending, 2, seed)
 
 
+def _in_place_grad_step(model, micro_batches) -> dict[str, torch.Tensor]:
+    """One step of 3 micro-batches, the first two inside accumulate(fsdp_sync=True), the grads zeroed with
+    `p.grad.zero_()` after the first and scaled with `p.grad.mul_(0.5)` after the second, outside no_grad, as
+    a user's loop does: name -> full grad (0.5 x the second's + the third's), then .grad None again."""
+    ops = [lambda g: g.zero_(), lambda g: g.mul_(0.5)]
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with shardnorm.accumulate(model, fsdp_sync=True) if not last else torch.enable_grad():
+            nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        if not last:
+            for name, p in model.named_parameters():
+                assert not p.grad.requires_grad, f"{name}: .grad requires grad between micro-batches"
+                ops[i](p.grad)
+            if i == 0:
+                assert not pending_grads(model), pending_grads(model)  # zeroed: nothing left to reduce
+    shardnorm.finalize_grads(model)
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = p.grad.full_tensor().cpu()
+        p.grad = None
+    return grads
+
+
+def _tp2_in_place(rank, world_size, seed):
+    """FSDP2 × TP with accumulate(fsdp_sync=True): in-place grad code between micro-batches works and gives the
+    grads it gives with torch's norms (shardnorm's FSDP grad source once marked .grad requires_grad)."""
+    _quiet()
+    device = rank_device(rank)
+    batches = token_batches(seed, 1, steps=2)
+    mesh = init_device_mesh(device.type, (1, world_size), mesh_dim_names=("dp", "tp"))
+    micro_batches = rank_rows(batches[0] + batches[1][:1], 0, device)
+    ours = _in_place_grad_step(_shard_main_job(seed, mesh, device), micro_batches)
+    torch_norms = parallelize(make_model(seed, device, "torch"), mesh, dataclasses.replace(TRAIN, norm="torch"))
+    assert_grads_match("p.grad.zero_() / mul_(0.5) between micro-batches", ours,
+                       _in_place_grad_step(torch_norms, micro_batches))
+
+
+def test_fsdp_tp2_in_place_grad_ops():
+    seed = torch.seed() % 2**31
+    print(f"seed {seed}")
+    spawn(_tp2_in_place, 2, seed)
+
+
 # ---- no process group needed ----------------------------------------------------------------------------
 
 def test_block_detection():

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from shardnorm._torch_compat import tensor_version
 from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradAttributeSource, local_tensor
 from shardnorm.rows import dtensor_like
 
@@ -18,16 +19,18 @@ class FSDPShardedGrads(GradAttributeSource):
     """FSDP2's reduce-scatter output in the sharded norm params' `.grad`, still partial over `group` (tp).
 
     `shard_model`'s forward pre-hooks hand it FSDP's unsharded params (`track`). Unreduced: what FSDP added
-    since the step's first backward (a post-accumulate hook says FSDP wrote), held as the reducer holds its
-    own (`requires_grad=True`), so a `zero_grad` that takes the sharded grad takes it too. A backward inside
-    `accumulate` whose grads FSDP kept (no-sync) is pending as well; those follow FSDP's own rules.
+    since the step's first backward (a post-accumulate hook says FSDP wrote), remembered by the grad tensor's
+    identity and version, so a zeroing (`.grad` set to None, or zeroed in place) takes it too; the grad's
+    autograd state stays the user's, so in-place grad code (`p.grad.zero_()`, `p.grad.mul_()`) works as with
+    torch's norms. A backward inside `accumulate` whose grads FSDP kept (no-sync) is pending as well; those
+    follow FSDP's own rules.
     """
 
     def __init__(self, params: list[nn.Parameter], group):
         super().__init__(params, group)
         self._before: dict[int, torch.Tensor] = {}  # id(param) -> fp32 local grad already reduced over tp
-        self._dirty: dict[int, torch.Tensor] = {}  # id(param) -> its sharded grad holding FSDP output not
-        # yet reduced over tp
+        self._dirty: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (its sharded grad holding FSDP
+        # output not yet reduced over tp, its version counter when last seen unzeroed)
         self._kept_by_fsdp = False  # FSDP kept (no-sync) the grads of a backward inside accumulate
 
     def attach(self, reducer) -> None:
@@ -68,19 +71,22 @@ class FSDPShardedGrads(GradAttributeSource):
 
     def _on_sharded_grad(self, param: nn.Parameter) -> None:
         """FSDP added its reduce-scatter output (still partial over tp) to this sharded grad: hold it."""
-        grad = param.grad
-        if not grad.requires_grad:
-            grad.requires_grad_(True)
-        self._dirty[id(param)] = grad
+        self._dirty[id(param)] = (param.grad, tensor_version(param.grad))
         self._kept_by_fsdp = False
 
     def _drop_cleared(self) -> None:
-        """Forget the sharded grads a zero_grad took (set to None, or detached before zeroing)."""
+        """Forget the sharded grads a zeroing took: set to None (or replaced), or zeroed in place since FSDP wrote
+        them. A zero_grad without set_to_none only zeroes, so an in-place change (which bumps its version; FSDP's
+        own writes are seen by the hook) that left all zeros is one; a scaling keeps the grad unreduced."""
         for p in self.params:
-            held = self._dirty.get(id(p))
-            if held is not None and (p.grad is not held or not held.requires_grad):
+            held, version = self._dirty.get(id(p), (None, None))
+            if held is None:
+                continue
+            if p.grad is not held or (tensor_version(held) != version and not local_tensor(held).any()):
                 del self._dirty[id(p)]
                 self._before.pop(id(p), None)
+            elif tensor_version(held) != version:  # changed but not zeroed: no need to look at its values again
+                self._dirty[id(p)] = (held, tensor_version(held))
 
     @property
     def pending(self) -> bool:
@@ -95,9 +101,6 @@ class FSDPShardedGrads(GradAttributeSource):
         return self._before.get(id(param))
 
     def _forget(self) -> None:
-        for grad in self._dirty.values():
-            if grad.is_leaf:
-                grad.requires_grad_(False)
         self._dirty.clear()
         self._before.clear()
         self._kept_by_fsdp = False
