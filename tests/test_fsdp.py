@@ -345,6 +345,53 @@ def test_fsdp_tp2_in_place_grad_ops():
 
 # ---- no process group needed ----------------------------------------------------------------------------
 
+def _frozen_norms_step(model, micro_batches, freeze) -> dict[str, torch.Tensor]:
+    """`freeze` (name -> bool) applied, one step of the micro-batches (all but the last inside accumulate): name ->
+    full grad, None for a frozen parameter; then .grad None again."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(not freeze(name))
+    for i, (x, y) in enumerate(micro_batches):
+        with shardnorm.accumulate(model) if i < len(micro_batches) - 1 else torch.enable_grad():
+            nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = None if p.grad is None else p.grad.full_tensor().cpu()
+        p.grad = None
+    return grads
+
+
+def _tp2_frozen_norms(rank, world_size, seed):
+    """FSDP2 x TP (`shard_model`) with some sequence-parallel norm weights frozen (LoRA-style) before the wrapping
+    and others after it: the step trains as with torch's norms, the frozen weights get no grad (a hook on a frozen
+    parameter raised)."""
+    _quiet()
+    device = rank_device(rank)
+    batches = token_batches(seed, 1, steps=2)
+    mesh = init_device_mesh(device.type, (1, world_size), mesh_dim_names=("dp", "tp"))
+    micro_batches = rank_rows(batches[0] + batches[1][:1], 0, device)
+    before = lambda name: name.startswith("layers.0.") and name.endswith("norm.weight")  # noqa: E731
+    after = lambda name: before(name) or name == "norm.weight"  # noqa: E731
+    ours, torch_norms = make_model(seed, device, "shardnorm"), make_model(seed, device, "torch")
+    for model in (ours, torch_norms):
+        for name, p in model.named_parameters():
+            p.requires_grad_(not before(name))
+    ours = parallelize(ours, mesh, TRAIN)
+    torch_norms = parallelize(torch_norms, mesh, dataclasses.replace(TRAIN, norm="torch"))
+    for freeze in (before, after):
+        got, want = _frozen_norms_step(ours, micro_batches, freeze), _frozen_norms_step(torch_norms, micro_batches,
+                                                                                        freeze)
+        frozen = [name for name in want if freeze(name)]
+        assert frozen and all(got[name] is None and want[name] is None for name in frozen), frozen
+        assert_grads_match("frozen norm weights", {k: v for k, v in got.items() if v is not None},
+                           {k: v for k, v in want.items() if v is not None})
+
+
+def test_fsdp_tp2_frozen_norm_weights():
+    seed = torch.seed() % 2**31
+    print(f"seed {seed}")
+    spawn(_tp2_frozen_norms, 2, seed)
+
+
 def test_block_detection():
     model = make_model(0, "cpu")
     assert find_block_classes(model) == (Block,)

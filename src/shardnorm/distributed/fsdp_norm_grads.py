@@ -32,15 +32,24 @@ class FSDPShardedGrads(GradAttributeSource):
         self._dirty: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (its sharded grad holding FSDP
         # output not yet reduced over tp, its version counter when last seen unzeroed)
         self._kept_by_fsdp = False  # FSDP kept (no-sync) the grads of a backward inside accumulate
+        self._hooked: set[int] = set()  # id(param) of the sharded params whose grads the hook reports
 
     def attach(self, reducer) -> None:
         super().attach(reducer)
+        self._hook_trainable()
+
+    def _hook_trainable(self) -> None:
+        """The post-accumulate hook on each sharded param that takes grads (torch refuses a hook on a frozen one:
+        LoRA-style runs freeze norms), including one unfrozen since."""
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_sharded_grad)
+            if p.requires_grad and id(p) not in self._hooked:
+                p.register_post_accumulate_grad_hook(self._on_sharded_grad)
+                self._hooked.add(id(p))
 
     def track(self, param: nn.Parameter) -> None:
-        """Take over an unsharded param (FSDP makes it at its first all-gather) of a sequence-parallel norm."""
-        if getattr(param, REDUCER_ATTR, None) is self.reducer:
+        """Take over an unsharded param (FSDP makes it at its first all-gather) of a sequence-parallel norm; a
+        frozen one has no grads to take."""
+        if getattr(param, REDUCER_ATTR, None) is self.reducer or not param.requires_grad:
             return
         if isinstance(param, DTensor) and dist.get_process_group_ranks(param.device_mesh.get_group()) \
                 != dist.get_process_group_ranks(self.group):
@@ -61,6 +70,7 @@ class FSDPShardedGrads(GradAttributeSource):
         return dtensor_like(grad.to_local(), grad, placements)
 
     def begin_backward(self) -> None:
+        self._hook_trainable()
         self._drop_cleared()
         for p in self.params:  # remember what is already reduced, so only FSDP's new output is all-reduced
             if id(p) not in self._dirty:
