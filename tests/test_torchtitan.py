@@ -82,6 +82,20 @@ def test_torchtitan_trainer_tp2_accumulation_matches_stock(tmp_path):
         assert s - o == norm_params * micro_batches - 1, (stock, ours)
 
 
+@pytest.mark.distributed
+def test_torchtitan_qwen3_qk_norms_tp2_match_stock(tmp_path):
+    """qwen3's debug model at tp=2: its per-head q/k norms stay replicated (torchtitan's own parallelize redistributes
+    their inputs by `forward`'s parameter names: a `residual` never passed raised KeyError), and the losses equal
+    stock torchtitan's."""
+    from tests.torchtitan_runner import make_assets
+
+    make_assets(tmp_path)
+    stock, ours = _train(tmp_path, "stock_qwen3", 2), _train(tmp_path, "shardnorm_qwen3", 2)
+    for step, (a, b) in enumerate(zip(stock["loss"], ours["loss"]), 1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: stock loss {a}, shardnorm {b}"
+    assert len(ours["loss"]) == 2
+
+
 def test_parallelize_wrapper_scopes_keep_output_false():
     """`keep_output=False` acts in the forward of a model handed to `shardnorm.convert`; torchtitan builds its model
     from configs, so the parallelize wrapper hands it over: the consumers save a handle, and no norm warns."""

@@ -17,7 +17,7 @@ CPU gloo run ("When dp_mesh_dims is provided, all parameters must be DTensors"),
 private `distributed_c10d._set_pg_timeout`): `alias_set_timeout()` aliases it.
 
 Usage: torchrun --nproc_per_node 2 -m tests.torchtitan_runner OUT_JSON --module tests.torchtitan_runner
---config stock_debugmodel|shardnorm_debugmodel [torchtitan CLI ...]
+--config stock_debugmodel|shardnorm_debugmodel|stock_qwen3|shardnorm_qwen3 [torchtitan CLI ...]
 """
 
 import importlib
@@ -130,6 +130,20 @@ def shardnorm_debugmodel():
     from shardnorm.integrations.torchtitan import with_shardnorm
 
     return _runnable(with_shardnorm(llama3_debugmodel()))
+
+
+def stock_qwen3():
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+
+    return _runnable(qwen3_debugmodel())
+
+
+def shardnorm_qwen3():
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+
+    from shardnorm.integrations.torchtitan import with_shardnorm
+
+    return _runnable(with_shardnorm(qwen3_debugmodel()))
 
 
 def main(out_path: str) -> None:

@@ -63,6 +63,11 @@ class ShardnormRMSNorm(shardnorm.RMSNorm, Module):
         super().__init__(config.normalized_shape, eps=config.eps, elementwise_affine=config.elementwise_affine,
                          keep_output=config.keep_output)
 
+    def forward(self, x):
+        """torchtitan's signature: its `Module.parallelize` redistributes every parameter `forward` names, so a
+        replicated norm (qwen3's q/k norms under TP) with an unpassed `residual` failed there."""
+        return shardnorm.RMSNorm.forward(self, x)
+
     def parallelize(self, parallel_dims) -> None:
         """Where torchtitan's plan makes this a sequence-parallel norm, apply `SequenceParallelNorm`."""
         plan = self._sharding_config
