@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from conftest import rel_err
-from spawn_ranks import DEVICE, spawn
+from spawn_ranks import DEVICE, rank_device, spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -190,3 +190,32 @@ def _hidden_sharded_layouts(rank, world_size, seed):
 
 def test_hidden_sharded_norms_with_sharded_rows_and_empty_slices():
     spawn(_hidden_sharded_layouts, 2, torch.seed() % 2**31)
+
+
+def _transposed_inputs(rank, world_size, seed):
+    """x [b, s, h] sharded over s or h, transposed to [s, b, h] (a non-contiguous local tensor), token-sharded and
+    hidden-sharded: the output's global stride is the contiguous one torch's norm gives (it was x's, over a
+    contiguous local tensor, so a transpose back and a reshape failed), its values and x's grad one process's."""
+    torch.manual_seed(seed)
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    device = rank_device(rank)
+    b, s, h = 3, 4, 8
+    x, w = torch.randn(b, s, h, device=device), torch.randn(h, device=device)
+    for x_placement, w_placement in ((Shard(1), Replicate()), (Shard(2), Shard(0))):
+        for name, ours, theirs in (("rms_norm", shardnorm.rms_norm, torch.nn.functional.rms_norm),
+                                   ("layer_norm", shardnorm.layer_norm, torch.nn.functional.layer_norm)):
+            what = f"{name}, x {x_placement}"
+            xd = distribute_tensor(x, mesh, [x_placement]).requires_grad_()
+            y = ours(xd.transpose(0, 1), (h,), distribute_tensor(w, mesh, [w_placement]), eps=1e-6)
+            out = y.transpose(0, 1).reshape(b, s * h).full_tensor()
+            out.square().sum().backward()
+            x1 = x.clone().requires_grad_()
+            y1 = theirs(x1.transpose(0, 1), (h,), w, eps=1e-6)
+            want = y1.transpose(0, 1).reshape(b, s * h)
+            want.square().sum().backward()
+            assert y.stride() == y1.stride(), f"{what}: global stride {y.stride()}, torch's {y1.stride()}"
+            assert rel_err(out, want) < 1e-5 and rel_err(xd.grad.full_tensor(), x1.grad) < 1e-4, what
+
+
+def test_transposed_dtensor_inputs_give_contiguous_outputs():
+    spawn(_transposed_inputs, 2, torch.seed() % 2**31)

@@ -57,12 +57,13 @@ def cached_spec(cache: dict, kind, mesh, placements: tuple, shape, stride, dtype
         if len(cache) >= SPECS_KEPT:
             cache.clear()
         if stride is None:
-            stride = _contiguous_strides(shape)
+            stride = contiguous_strides(shape)
         spec = cache[key] = dtensor_spec(mesh, placements, shape, stride, dtype)
     return spec
 
 
-def _contiguous_strides(shape) -> tuple:
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of `shape`."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

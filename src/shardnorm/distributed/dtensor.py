@@ -24,7 +24,7 @@ from shardnorm import _torch_compat, ops
 from shardnorm.distributed.grad_sources import grad_sink
 from shardnorm.distributed.hidden_sharded import HiddenShardedNorm
 from shardnorm.distributed.layout import NormLayout, global_normalized_numel, norm_layout
-from shardnorm.rows import as_dtensor, as_param, as_rows, cached_spec, dtensor_like
+from shardnorm.rows import as_dtensor, as_param, as_rows, cached_spec, contiguous_strides, dtensor_like
 
 
 
@@ -96,7 +96,9 @@ def _local(p, layout: NormLayout, cut: bool):
 
 
 def _from_local(t, x: DTensor, x_local):
-    return dtensor_like(t.view(x_local.shape), x)
+    """A result `t` (contiguous rows) as a DTensor laid out like x: its global stride the contiguous one, whatever
+    x's (a transposed x's stride over a contiguous result made views of it fail)."""
+    return as_dtensor(t.view(x_local.shape), x.device_mesh, x.placements, x.shape, contiguous_strides(x.shape))
 
 
 def _hidden_sharded(x, weight, bias, residual, eps, rms, zero_centered, layout: NormLayout, n: int):
@@ -148,7 +150,7 @@ class TokenShards:
         """(x rows, weight, bias, residual rows) as the kernels read them (grad mode is off in a node's forward)."""
         local = _torch_compat.dtensor_local
         x_local = local(x)
-        self.meta = (x.shape, x.stride(), x_local.shape)
+        self.meta = (x.shape, x_local.shape)
         self.dtypes = (x.dtype, residual.dtype if residual is not None else None)
         n = self.n
         w, b = (as_param(local(p) if isinstance(p, DTensor) else p, n) for p in (weight, bias))
@@ -156,13 +158,13 @@ class TokenShards:
 
     def wrap(self, rows, dtype):
         """Local rows as a DTensor laid out like x, in `dtype` (differentiable where grad mode is on: a create_graph
-        backward's grads)."""
-        shape, stride, local_shape = self.meta
+        backward's grads), its global stride the contiguous one whatever x's (the rows are contiguous)."""
+        shape, local_shape = self.meta
         t = rows.view(local_shape).to(dtype)
         layout = self.layout
         if torch.is_grad_enabled():
-            return as_dtensor(t, layout.mesh, layout.placements, shape, stride)
-        return _torch_compat.dtensor_with_spec(t, _spec(layout, layout.placements, shape, stride, dtype))
+            return as_dtensor(t, layout.mesh, layout.placements, shape, contiguous_strides(shape))
+        return _torch_compat.dtensor_with_spec(t, _spec(layout, layout.placements, shape, None, dtype))
 
     def rows(self, t, differentiable: bool = False):
         """An output (or its grad) as local rows laid out like x (redistributed first if it came otherwise)."""

@@ -108,7 +108,7 @@ class _RegatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, gathered: Optional[GatheredOutput], specs: dict):
         local = _torch_compat.dtensor_local
         x_local, w = ops._ready(local(x)), local(weight)
-        ctx.gathered, ctx.specs, ctx.x_meta = gathered, specs, (x.shape, x.stride(), x.dtype, x_local.shape)
+        ctx.gathered, ctx.specs, ctx.x_meta = gathered, specs, (x.shape, x.dtype, x_local.shape)
         ctx.param_meta = [(p.shape, p.stride()) if p is not None else None for p in (weight, bias)]
         if gathered is not None:
             gathered.taken()
@@ -135,9 +135,9 @@ class _RegatherLinear(torch.autograd.Function):
         dy2 = dy_local.reshape(-1, dy_local.shape[-1])
         dx = None
         if ctx.needs_input_grad[0]:
-            shape, stride, dtype, local_shape = ctx.x_meta
+            shape, dtype, local_shape = ctx.x_meta  # dx is contiguous, whatever x's stride: its spec's is too
             dx = _torch_compat.dtensor_with_spec(dy2.mm(w).view(local_shape),
-                                                 cached_spec(specs, "dx", mesh, (Partial(),), shape, stride, dtype))
+                                                 cached_spec(specs, "dx", mesh, (Partial(),), shape, None, dtype))
         x = gathered.take(ctx.seen) if gathered is not None else saved[1]
         (w_shape, w_stride), b_meta = ctx.param_meta
         dw = db = None
