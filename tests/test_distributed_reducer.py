@@ -268,6 +268,12 @@ def _errors(mesh):
         shardnorm.rms_norm(x, (h,), eps=-1.0)
     with pytest.raises(ValueError, match=r"weight is a plain torch.Tensor"):
         shardnorm.rms_norm(x, (h,), torch.randn(h, device=x.device, requires_grad=True))
+    with pytest.raises(ValueError, match=r"x is a plain torch.Tensor but weight is a DTensor"):
+        shardnorm.rms_norm(torch.randn(2, 8, h, device=x.device), (h,), replicated)
+    two_d = init_device_mesh(DEVICE, (1, mesh.size()), mesh_dim_names=("dp", "tp"))
+    sp_norm = parallelize_module(shardnorm.RMSNorm(h), two_d["tp"], SequenceParallelNorm())
+    with pytest.raises(ValueError, match=r"SequenceParallelNorm was parallelized on .*its input is a DTensor on"):
+        sp_norm(distribute_tensor(torch.randn(2, 8, h), two_d, [Replicate(), Shard(1)]))
     with pytest.raises(ValueError, match=r"reduce must be 'bucketed' or 'per_layer'"):
         attach_reducer(NormStack(), reduce="per_param")
     with pytest.raises(ValueError, match=r"1-D"):

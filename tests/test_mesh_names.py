@@ -54,6 +54,8 @@ def _names_body(rank, world_size):
                                    tp_dim="model")
     with pytest.raises(ValueError, match=r"no tp mesh .*tp_dim=None"):
         shardnorm.fsdp.shard_model(sp_model, mesh["data_parallel"], block_classes=(Block,), tp_dim=None)
+    with pytest.raises(TypeError, match=r"shard_model needs mesh, a DeviceMesh, got str"):
+        shardnorm.fsdp.shard_model(sp_model, "data_parallel", block_classes=(Block,))
     with pytest.raises(ValueError, match=r"\['tensor_parallel'\] are neither data-parallel"):
         shardnorm.fsdp.shard_model(sp_model, mesh, block_classes=(Block,), dp_dims="data_parallel", tp_dim=None)
     with pytest.raises(ValueError, match=r"tp_dim='tensor_parallel' is also a data-parallel dim"):

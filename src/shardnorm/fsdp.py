@@ -205,15 +205,21 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, block_classes=None,
     `replicate_dim` HSDP's replicate dim, `tp_dim` the dim norms were parallelized over. Sequence-parallel
     norm grads are reduced over dp by FSDP and over tp by the model's reducer. Returns `model`.
     """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"shardnorm: shard_model needs mesh, a DeviceMesh, got {type(mesh).__name__}")
     dp_mesh, tp_mesh = _dp_tp_meshes(mesh, dp_dims, tp_dim, replicate_dim)
     blocks = _checked_block_classes(model, block_classes)
     refuse_pending(model, "shard_model")
     norms = [(fqn, m, any([_sequence_parallel(f"{fqn}.{n}", p, dp_mesh) for n, p in m.named_parameters()]))
              for fqn, m in model.named_modules() if isinstance(m, SHARDNORM_CLASSES)]
-    if any(sp for *_, sp in norms) and (tp_mesh is None or tp_mesh.size() == 1):
-        raise ValueError(f"shardnorm: the model has sequence-parallel norms but shard_model got no tp mesh of "
-                         f"size > 1 (tp_dim={tp_dim!r}, mesh dims {mesh.mesh_dim_names}); pass the mesh they "
-                         f"were parallelized on and name its tensor-parallel dim in tp_dim")
+    if any(sp for *_, sp in norms) and tp_mesh is None:
+        raise ValueError(f"shardnorm: the model has sequence-parallel norms but shard_model got no tp mesh "
+                         f"(tp_dim={tp_dim!r}, mesh dims {mesh.mesh_dim_names}); pass the mesh they were "
+                         f"parallelized on and name its tensor-parallel dim in tp_dim")
+    if any(sp for *_, sp in norms) and tp_mesh.size() == 1:
+        raise ValueError(f"shardnorm: the model's norms are sequence-parallel over the tp dim {tp_dim!r} of size 1; "
+                         f"at tp=1 leave them unparallelized (no SequenceParallelNorm in the plan) and shard_model "
+                         f"shards them over dp like any other module")
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy())
     for module in [m for m in model.modules() if isinstance(m, blocks)]:

@@ -385,10 +385,18 @@ def _unsupported(what: str) -> str:
             f"rules. {_INSTEAD}")
 
 
-def _transform_error(error: Exception, *tensors) -> Exception:
-    """The error to raise for `error` from a norm call on `tensors`: a clear one when a torch.func transform is
-    running or an input is a forward-mode AD dual tensor (torch's own says "must override setup_context", "must
-    implement the jvp function", or names no transform), else `error` itself."""
+def _call_error(error: Exception, *tensors) -> Exception:
+    """The error to raise for `error` from a norm call on `tensors` (x, weight, bias, residual): a clear one when a
+    plain x meets a DTensor (torch's own names the op, not the argument), a torch.func transform is running or an
+    input is a forward-mode AD dual tensor (torch's own says "must override setup_context", "must implement the jvp
+    function", or names no transform), else `error` itself."""
+    x = tensors[0]
+    if not _torch_compat.is_dtensor(x):
+        for name, t in zip(("weight", "bias", "residual"), tensors[1:]):
+            if _torch_compat.is_dtensor(t):
+                return ValueError(f"shardnorm: x is a plain torch.Tensor but {name} is a DTensor (placements "
+                                  f"{tuple(t.placements)}); pass x as a DTensor on {name}'s mesh (a sequence-parallel "
+                                  f"norm's input: DTensor.from_local), or {name}.to_local()")
     transform = _torch_compat.innermost_functorch_transform()
     if transform is None:
         if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
@@ -423,7 +431,7 @@ def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
         else:
             out = _NormFunction.apply(x, weight, bias, residual, sink_w, sink_b, (eps, rms, zero_centered, False, None))
     except (RuntimeError, NotImplementedError) as e:  # a try costs nothing until it catches
-        raise _transform_error(e, x, weight, bias, residual) from e
+        raise _call_error(e, x, weight, bias, residual) from e
     return (out, None) if residual is None else out
 
 

@@ -86,6 +86,10 @@ class SequenceParallelNorm(ParallelStyle):
 
     def _shard(self, t, device_mesh: DeviceMesh) -> DTensor:
         if isinstance(t, DTensor):
+            if t.device_mesh != device_mesh:
+                raise ValueError(f"shardnorm: SequenceParallelNorm was parallelized on {device_mesh}, but its input "
+                                 f"is a DTensor on {t.device_mesh}; pass it as a DTensor on the norm's mesh (e.g. "
+                                 f"the output of a module parallelized on that mesh) or as a plain local tensor")
             if tuple(t.placements) != self.sequence_sharding:
                 t = t.redistribute(placements=self.sequence_sharding)
             return t
