@@ -88,13 +88,13 @@ def _readme_recipe(mesh, keep_output, seed):
 
 def _sequence_parallel_recipes(rank, world_size, seed):
     mesh = init_device_mesh(DEVICE, (world_size,))
+
+    def shard(x):
+        return x.chunk(world_size, dim=1)[rank].contiguous().to(rank_device(rank))
+
     for keep_output in (True, False):
         for backend in ("aot_eager",) if keep_output is False else ("aot_eager", "inductor"):
             what = f"README SP recipe, keep_output={keep_output}, {backend}"
-
-            def shard(x):
-                return x.chunk(world_size, dim=1)[rank].contiguous().to(rank_device(rank))
-
             eager_model = _readme_recipe(mesh, keep_output, seed)
             eager, _ = _steps(eager_model, lambda x: eager_model(shard(x)), seed)
             model = _readme_recipe(mesh, keep_output, seed)
@@ -108,9 +108,6 @@ def _sequence_parallel_recipes(rank, world_size, seed):
         process_group_sequence_parallel(model[0], dist.group.WORLD, sequence_dim=1)
         attach_reducer(model)
         return model
-
-    def shard(x):
-        return x.chunk(world_size, dim=1)[rank].contiguous().to(rank_device(rank))
 
     eager_model = pg_model()
     eager, _ = _steps(eager_model, lambda x: eager_model(shard(x)), seed)

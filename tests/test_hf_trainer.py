@@ -14,8 +14,6 @@ DeepSpeed or FSDP2): tests/test_hf_tp_plan.py covers it with an Accelerate loop.
 `torch_compile=True` runs in one process, against the eager Trainer on the model's own norms.
 """
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -2,7 +2,6 @@
 with SHARDNORM_TEST_DEVICE=cuda; the single-process reference runs on the CPU)."""
 
 import pytest
-import torch
 from fsdp_harness import assert_grads_match, make_model, rank_rows, step_grads, token_batches
 from spawn_ranks import DEVICE, rank_device, spawn
 from torch.distributed.device_mesh import init_device_mesh

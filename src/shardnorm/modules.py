@@ -19,6 +19,14 @@ from torch import Tensor
 from . import functional as F
 from . import output_recompute
 
+# The marks of a norm whose grads go to a reducer's grad sinks (`shardnorm.distributed.attach_reducer`), here so
+# that the forward reads them without importing torch.distributed: the reducer, on each of its parameters
+# (`distributed/grad_sources.py`) and on the module itself. The module's mark outlives its parameters, which
+# `nn.Module._apply` (`model.to(dtype)`, `.half()`: `torch.utils.swap_tensors` swaps their `__dict__`) and
+# `load_state_dict(assign=True)` (new objects) replace without theirs.
+REDUCER_ATTR = "_shardnorm_reducer"
+BOUND_REDUCER_ATTR = "_shardnorm_bound_reducer"
+
 
 class _FusedNorm:
     """Mixin: the forward and the `zero_centered_gamma` option shared by both norms.
@@ -30,6 +38,7 @@ class _FusedNorm:
 
     zero_centered_gamma: bool = False
     _keep_output: bool = True
+    _shardnorm_bound_reducer = None  # BOUND_REDUCER_ATTR: a class default, one lookup for a norm never bound
     _rms: bool
 
     @property
@@ -51,6 +60,11 @@ class _FusedNorm:
         params = self._parameters
         weight = params["weight"] if "weight" in params else self.weight
         bias = params["bias"] if "bias" in params else None if self._rms else getattr(self, "bias", None)
+        reducer = self._shardnorm_bound_reducer
+        if reducer is not None and (getattr(weight, REDUCER_ATTR, None) is not reducer
+                                    or bias is not None and getattr(bias, REDUCER_ATTR, None) is not reducer) \
+                and torch.is_grad_enabled():  # without grads nothing skips the reducer (an evaluation in bf16)
+            _refuse_replaced(self)  # else their grads would skip the reducer, silently
         if not self._keep_output and residual is None and torch.compiler.is_compiling():
             return output_recompute.compiled_norm(self._norm, x, weight, bias)
         if self._keep_output:
@@ -75,6 +89,12 @@ class _FusedNorm:
         extra = (", zero_centered_gamma=True" if self.zero_centered_gamma else "") + \
             (", keep_output=False" if not self._keep_output else "")
         return super().extra_repr() + extra
+
+
+def _refuse_replaced(norm) -> None:
+    raise RuntimeError(f"shardnorm: {type(norm).__name__}'s parameters were replaced after attach_reducer(model) "
+                       "(model.to(dtype), .half(), .float(), load_state_dict(assign=True)): their grads would skip "
+                       "the model's norm-grad reducer; call shardnorm.distributed.attach_reducer(model) again")
 
 
 def _check_args(normalized_shape, eps, zero_centered_gamma) -> tuple:

@@ -7,7 +7,7 @@ from contextlib import ExitStack, contextmanager
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradSource
+from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradSource, mark_bound, restore_marks
 from shardnorm.distributed.reducer import DEFAULT_BUCKET_CAP_MB, NormGradReducer, ReduceMode
 from shardnorm.modules import LayerNorm, RMSNorm
 
@@ -18,19 +18,30 @@ def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
 
     `source`: where the partial sums come from (default: the norms' own backward; `grad_sources.py`). The
     reducer owns the parameters of the model's shardnorm norms (`norm_params`), the only ones it marks.
+    Call it again after replacing norm parameters (`model.to(dtype)`, `load_state_dict(assign=True)`): the new
+    ones lack the marks, and a norm whose parameters went to the reducer refuses to run without them.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardnorm: attach_reducer needs the model (a torch.nn.Module), got {type(model).__name__}")
     refuse_pending(model, "attaching a new reducer")
     reducer = NormGradReducer(bucket_cap_mb=bucket_cap_mb, reduce=reduce, source=source)
     setattr(model, REDUCER_ATTR, reducer)
-    reducer.source.bind(norm_params(model))
+    norms = _norms(model)
+    for norm in norms:
+        restore_marks(norm)
+    reducer.source.bind([p for norm in norms for p in norm.parameters(recurse=False)])
+    for norm in norms:
+        mark_bound(norm, reducer)
     return reducer
+
+
+def _norms(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (LayerNorm, RMSNorm))]
 
 
 def norm_params(model: nn.Module) -> list[nn.Parameter]:
     """The weights and biases of `model`'s shardnorm norms: the only parameters a reducer may own."""
-    return [p for m in model.modules() if isinstance(m, (LayerNorm, RMSNorm)) for p in m.parameters(recurse=False)]
+    return [p for m in _norms(model) for p in m.parameters(recurse=False)]
 
 
 def reducer_of(model: nn.Module) -> NormGradReducer | None:

@@ -5,16 +5,21 @@ Harvested (`GradAttributeSource`): left in `param.grad`, and at the step boundar
 taken out into the reducer's buffer (`PartialGrads`: DeepSpeed AutoTP's; `FSDPShardedGrads`: FSDP2's).
 
 `REDUCER_ATTR` is set on the model (its reducer) and on the norm parameters a reducer owns, nothing else;
-`SINK_ATTR` on those of them whose grads it is pushed.
+`SINK_ATTR` on those of them whose grads it is pushed. A norm all of whose parameters are pushed carries the
+reducer too (`BOUND_REDUCER_ATTR`, `mark_bound`), and its parameters' sequence-parallel marks (`MARKS_ATTR`): its
+forward raises where its parameters were replaced without theirs, and binding again puts the marks back.
 """
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-REDUCER_ATTR = "_shardnorm_reducer"
+from shardnorm.modules import BOUND_REDUCER_ATTR, REDUCER_ATTR
+
 SINK_ATTR = "_shardnorm_grad_sink"  # the reducer's GradSink for a norm parameter it owns
 GROUP_ATTR = "_shardnorm_group"  # a plain sequence-parallel parameter's group (process_group_sequence_parallel)
+MARKS_ATTR = "_shardnorm_param_marks"  # a bound norm's {param name: {mark: value}} (`mark_bound`)
+_MARKS = ("sequence_parallel", GROUP_ATTR)  # what parallelizing a norm puts on its parameters
 
 
 class GradSource:
@@ -58,6 +63,36 @@ class NormBackward(GradSource):
                 setattr(p, SINK_ATTR, self.reducer.sink(p, group))
             elif hasattr(p, SINK_ATTR):
                 delattr(p, SINK_ATTR)
+
+
+def mark_bound(norm: nn.Module, reducer) -> None:
+    """After `reducer`'s source bound the model's norm parameters: record the reducer on `norm` where every
+    parameter its forward reads was given one of the reducer's sinks (the forward compares it with the
+    parameters' own, `shardnorm.modules`), with their sequence-parallel marks; otherwise drop what an earlier
+    binding recorded."""
+    params = norm._parameters
+    registered = {name: p for name, p in params.items() if p is not None}
+    bias_read = "bias" in params or norm._rms or getattr(norm, "bias", None) is None  # else not from _parameters
+    if params.get("weight") is not None and bias_read and all(
+            getattr(p, REDUCER_ATTR, None) is reducer and grad_sink(p) is not None for p in registered.values()):
+        norm.__dict__[BOUND_REDUCER_ATTR] = reducer
+        norm.__dict__[MARKS_ATTR] = {name: {k: vars(p)[k] for k in _MARKS if k in vars(p)}
+                                     for name, p in registered.items()}
+    else:
+        norm.__dict__.pop(BOUND_REDUCER_ATTR, None)
+        norm.__dict__.pop(MARKS_ATTR, None)
+
+
+def restore_marks(norm: nn.Module) -> None:
+    """Put back on a bound norm's parameters the sequence-parallel marks that replacing them dropped (`model.to`,
+    `load_state_dict(assign=True)`): a plain parameter without its group would be neither reduced nor accepted
+    next to its DTensor input."""
+    for name, marks in norm.__dict__.get(MARKS_ATTR, {}).items():
+        p = norm._parameters.get(name)
+        if p is not None:
+            for key, value in marks.items():
+                if key not in vars(p) and (key != GROUP_ATTR or not isinstance(p, DTensor)):
+                    setattr(p, key, value)
 
 
 def token_group(param):
