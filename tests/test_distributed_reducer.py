@@ -274,6 +274,9 @@ def _errors(mesh):
     sp_norm = parallelize_module(shardnorm.RMSNorm(h), two_d["tp"], SequenceParallelNorm())
     with pytest.raises(ValueError, match=r"SequenceParallelNorm was parallelized on .*its input is a DTensor on"):
         sp_norm(distribute_tensor(torch.randn(2, 8, h), two_d, [Replicate(), Shard(1)]))
+    with pytest.raises(TypeError, match=r"accumulate needs the model \(a torch.nn.Module\), got Tensor"):
+        with shardnorm.accumulate(torch.randn(2)):
+            pass
     with pytest.raises(ValueError, match=r"reduce must be 'bucketed' or 'per_layer'"):
         attach_reducer(NormStack(), reduce="per_param")
     with pytest.raises(ValueError, match=r"1-D"):

@@ -77,6 +77,8 @@ def accumulate(model: nn.Module, *, fsdp_sync: bool = False):
     sequence-parallel norms without a reducer, whose `Partial` grads nothing would reduce. Yields the reducer
     (None without one).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shardnorm: accumulate needs the model (a torch.nn.Module), got {type(model).__name__}")
     reducer = reducer_of(model)
     if reducer is None:
         _refuse_unreduced_norms(model)
