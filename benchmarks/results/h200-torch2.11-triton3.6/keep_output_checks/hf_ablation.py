@@ -5,8 +5,12 @@ saved as a handle). Steps interleaved one by one, order rotated each round; per 
 and host time until queued, and the median and range of its step over the option-off step of the same turn.
 
     ARCH=llama ROUNDS=8 PROFILE=0 python keep_output_checks/hf_ablation.py OUT_DIR     (PYTHONPATH=src:.)
+
+NATIVE=1 adds the model's own norms as a variant; GCMODE=default|disable|freeze counts Python's garbage collections
+per variant (and turns the collector off, or freezes what exists, before the timed steps), written to
+gc_<arch>_<mode>_<NATIVE>.json instead of hf_ablation_<arch>.json.
 """
-import json, os, statistics, sys, time
+import gc, json, os, statistics, sys, time
 import torch
 from benchmarks import hf_variants
 from benchmarks.common import turns
@@ -49,24 +53,38 @@ def timed(name):
     t0 = time.perf_counter(); s.record(); run(name); host = time.perf_counter() - t0; e.record()
     torch.cuda.synchronize()
     return s.elapsed_time(e), host * 1e3
+GCSTAT = {"n": [0, 0, 0], "t": 0.0, "t0": 0.0}
+def on_gc(phase, info):
+    if phase == "start": GCSTAT["t0"] = time.perf_counter()
+    else: GCSTAT["n"][info["generation"]] += 1; GCSTAT["t"] += time.perf_counter() - GCSTAT["t0"]
+gc_mode = os.environ.get("GCMODE")
+if gc_mode: gc.callbacks.append(on_gc)
 names = os.environ.get("VARIANTS", ",".join(KNOCK)).split(",")
 for n in names:
     for _ in range(3): run(n)
-res = {n: {"ms": [], "host": []} for n in names}
+res = {n: {"ms": [], "host": [], "gc_n": [0, 0, 0], "gc_ms": 0.0} for n in names}
+gc.collect()
+if gc_mode == "disable": gc.disable()
+if gc_mode == "freeze": gc.freeze()
 rounds = int(os.environ.get("ROUNDS", 6))
 for r in range(rounds):
     for _ in range(6):
         for n in turns(names, r):
+            n_before, t_before = list(GCSTAT["n"]), GCSTAT["t"]
             ms, host = timed(n); res[n]["ms"].append(ms); res[n]["host"].append(host)
+            res[n]["gc_n"] = [a + b - c for a, b, c in zip(res[n]["gc_n"], GCSTAT["n"], n_before)]
+            res[n]["gc_ms"] += (GCSTAT["t"] - t_before) * 1e3
     print("round", r, {n: round(statistics.median(res[n]["ms"][-6:]), 2) for n in names}, flush=True)
 base = res["off"]["ms"]
 summary = {}
 for n in names:
     ratios = [a / b for a, b in zip(res[n]["ms"], base)]
     summary[n] = dict(median_ms=statistics.median(res[n]["ms"]), host_ms=statistics.median(res[n]["host"]),
-                      ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
-    print(n, {k: round(v, 4) for k, v in summary[n].items()}, flush=True)
-json.dump(dict(arch=arch, summary=summary, raw=res), open(f"{OUT}/hf_ablation_{arch}.json", "w"), indent=1)
+                      ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                      gc_n=res[n]["gc_n"], gc_ms=res[n]["gc_ms"])
+    print(n, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary[n].items()}, flush=True)
+name = f"gc_{arch}_{gc_mode}_{os.environ.get('NATIVE', '0')}.json" if gc_mode else f"hf_ablation_{arch}.json"
+json.dump(dict(arch=arch, summary=summary, raw=res), open(f"{OUT}/{name}", "w"), indent=1)
 
 if os.environ.get("PROFILE", "1") == "0": sys.exit(0)
 from torch.profiler import profile, ProfilerActivity
