@@ -105,6 +105,11 @@ def functorch_transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def foreach_copy(dsts: list, srcs: list) -> None:
+    """`d.copy_(s)` for each pair, by torch's multi-tensor kernels (a few launches for any number of pairs)."""
+    torch._foreach_copy_(dsts, srcs)
+
+
 def is_batched_grad(t) -> bool:
     """Whether `t` is a grad batched by `torch.autograd.grad(..., is_grads_batched=True)` (the vmap prototype it
     runs the backward under, which torch.func's interpreter stack does not show)."""

@@ -16,8 +16,7 @@ Megatron-Core keeps them in its grad buffer): however the user zeroes grads (`ze
 `p.grad.zero_()`, `p.grad.data.zero_()`), the zeroing reaches them. The step's last backward takes them back out
 before its buckets are reduced: the exact fp32 sums where `.grad` still holds what was written there, so a bf16
 `.grad` rounds the step's sum once. Where a bucket's `.grad`s are all None (after `zero_grad(set_to_none=True)`),
-the reducer writes them all in one copy (`torch.split_with_sizes_copy`): a few kernels per bucket instead of a few
-per parameter. A backward that raises leaves its sums in `.grad` as an accumulating backward does, so the user's
+the reducer writes them all in one multi-tensor copy: a few kernels per bucket instead of a few per parameter. A backward that raises leaves its sums in `.grad` as an accumulating backward does, so the user's
 zeroing of a step given up reaches them.
 """
 
@@ -31,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardnorm._torch_compat import (current_graph_task_id, dtensor_local, dtensor_spec_of, dtensor_with_spec,
-                                     queue_backward_callback)
+                                     foreach_copy, queue_backward_callback)
 from shardnorm.distributed.grad_sources import GradSource, NormBackward, local_tensor
 
 ReduceMode = Literal["bucketed", "per_layer"]
@@ -185,10 +184,12 @@ class _Bucket:
         return [flat[a:b] for a, b in self.pieces]
 
     def _copies(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The slots' pieces of `flat` as tensors of their own, in one copy: `.grad`s that are views of one tensor
-        would be as few kernels, but torch cannot deepcopy a DTensor over a view at an offset (a model copied for
-        EMA or `AveragedModel` after a backward)."""
-        return list(torch.split_with_sizes_copy(flat, self.sizes))
+        """The slots' pieces of `flat` as tensors of their own, copied by one multi-tensor kernel: `.grad`s that are
+        views of one tensor would take no copy, but torch cannot deepcopy a DTensor over a view at an offset (a
+        model copied for EMA or `AveragedModel` after a backward)."""
+        pieces = [flat.new_empty(n) for n in self.sizes]
+        foreach_copy(pieces, self._views(flat))
+        return pieces
 
     def _stashed_sum(self) -> torch.Tensor:
         """`_Slot._kept`'s sum for every slot at once (each slot's `.grad` is the one stashed, nothing held before)."""
@@ -221,7 +222,7 @@ class _Bucket:
             grads = self.stashed[2]
             total = self._stashed_sum().add_(self.flat)
             written = total.to(dtype)
-            torch.split_with_sizes_copy(written, self.sizes, out=grads)
+            foreach_copy(grads, self._views(written))
         else:
             return False
         for s, t, w in zip(slots, self._views(total), self._views(written)):
