@@ -81,7 +81,10 @@ def resume_hint(cfg: Config) -> str:
     c = cfg.checkpoint
     latest = store.latest(c.dir, warn=lambda message: None) if c.dir else None
     if c.load:
-        loaded, info = store.resolve(c.load, warn=lambda message: None)
+        try:
+            loaded, info = store.resolve(c.load, warn=lambda message: None)
+        except CheckpointError as error:  # deleted since the run loaded it
+            return f"checkpoint.load no longer names a usable checkpoint ({error})"
         hint = f"the same command resumes from {loaded} (step {info['step']}, checkpoint.load) again"
         if latest and latest[0] != loaded:
             hint += f"; without checkpoint.load it resumes from {latest[0]} (step {latest[1]['step']})"
@@ -224,15 +227,18 @@ class Checkpointer:
                                     "seconds": seconds}) + "\n")
 
     def _prune(self, step: int) -> None:
-        """Keep the newest `keep_last` complete checkpoints; drop older torn ones."""
+        """Keep the newest `keep_last` complete checkpoints up to `step` (the one just saved among them); drop older
+        torn ones. Checkpoints of later steps are another run's, this one resumed from an earlier step in the same
+        dir: counting them as the newest deleted this run's own, the one just saved included."""
         complete = 0
         for saved_step, path in store.candidates(self.root):
+            if saved_step > step:
+                continue
             try:
                 store.read_marker(path)
                 complete += 1
                 if not self.cfg.checkpoint.keep_last or complete <= self.cfg.checkpoint.keep_last:
                     continue
             except CheckpointError:
-                if saved_step > step:
-                    continue
+                pass
             shutil.rmtree(path)

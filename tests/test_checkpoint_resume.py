@@ -303,3 +303,32 @@ def test_deepspeed_resumes_from_its_own_checkpoint(tmp_path):
     ref, resumed = losses(first), losses(second)
     assert sorted(resumed) == [4, 5, 6]
     assert all(resumed[step] == ref[step] for step in resumed), (resumed, ref)
+
+
+def test_pruning_keeps_the_run_s_own_checkpoints(tmp_path):
+    """`keep_last` counts the checkpoints up to the one just saved: a run resumed from an earlier step in a dir that
+    holds a later run's checkpoints keeps its own (it deleted the one it had just saved and the one it resumed from,
+    keeping the other run's as the newest) and leaves the others; a plain run keeps its newest two."""
+    from types import SimpleNamespace
+
+    from parallel.checkpoint import Checkpointer
+
+    def saved(*steps):
+        for step in steps:
+            path = store.step_dir(tmp_path, step)
+            path.mkdir()
+            (path / "train_state.pt").write_bytes(b"x")
+            store.write_marker(path, {"step": step})
+
+    checkpointer = SimpleNamespace(root=tmp_path, cfg=SimpleNamespace(checkpoint=SimpleNamespace(keep_last=2)))
+    saved(4, 8, 12, 6)  # the later run's 8 and 12; this run resumed from 4 and has just saved 6
+    Checkpointer._prune(checkpointer, 6)
+    assert [s for s, _ in store.candidates(tmp_path)] == [12, 8, 6, 4]
+    saved(7)
+    Checkpointer._prune(checkpointer, 7)
+    assert [s for s, _ in store.candidates(tmp_path)] == [12, 8, 7, 6]
+    for _, path in store.candidates(tmp_path):
+        shutil.rmtree(path)
+    saved(2, 4, 6)
+    Checkpointer._prune(checkpointer, 6)
+    assert [s for s, _ in store.candidates(tmp_path)] == [6, 4]
