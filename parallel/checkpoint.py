@@ -11,6 +11,7 @@ Crash safety (parallel/checkpoint_store.py): every rank writes into `.tmp-step-<
 writes `complete.json` listing every file's size and renames the directory to `step-<N>/`.
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -107,7 +108,7 @@ class Checkpointer:
         self.saved_step = 0
         self.info = {"engine": cfg.parallel.engine, "world_size": runtime.world_size, "dp": dp,
                      "tp": tp, "global_rows": cfg.data.batch_size * dp, "config": cfg.name,
-                     "dtype": cfg.train.dtype, "norm": cfg.train.norm,
+                     "dtype": cfg.train.dtype, "norm": cfg.train.norm, "model": dataclasses.asdict(cfg.model),
                      **{k: getattr(cfg.train if k != "seq_len" else cfg.data, k)
                         for k in (*DATA_KEYS, *SCHEDULE_KEYS)}}
 
@@ -139,6 +140,12 @@ class Checkpointer:
             raise CheckpointError(f"{path} was written by {saved['world_size']} DeepSpeed ranks, "
                                   f"this run has {now['world_size']}: DeepSpeed's ZeRO partitions "
                                   "do not reshard; resume on the same number of processes")
+        changed = {k: (v, now["model"][k]) for k, v in saved.get("model", now["model"]).items()
+                   if now["model"].get(k) != v and k != "norm_keep_output"}  # that one is memory, not the model
+        if changed:  # loading would fail inside DCP (other shapes) or, for settings without weights, train another model
+            raise CheckpointError(f"{path} holds another model: " + ", ".join(
+                f"model.{k} = {old} there, {new} here" for k, (old, new) in changed.items()) +
+                "; set them as saved to continue it")
         if saved["global_rows"] != now["global_rows"]:
             raise CheckpointError(
                 f"data.batch_size: {path} was trained on {saved['global_rows']} sequences per "

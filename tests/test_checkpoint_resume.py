@@ -215,6 +215,17 @@ def test_resume_with_another_global_batch_names_the_setting(reference, tmp_path)
     assert "set data.batch_size=4 to continue on the same batches" in result.stderr
 
 
+def test_resume_into_another_model_names_the_setting(reference, tmp_path):
+    """A checkpoint of 2 layers into a model of 1: the [model] setting named (DCP loaded the subset it found and the
+    run trained another model, or failed with a shape error for settings that change shapes)."""
+    copy_checkpoint(reference[0], 6, tmp_path)
+    result = subprocess.run([sys.executable, "-m", "parallel.train",
+                             *job_args(tmp_path, "parallel.tp=1", "data.batch_size=2", "model.n_layers=1")],
+                            cwd=ROOT, env=env(), text=True, capture_output=True, timeout=HUNG_S)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "holds another model: model.n_layers = 2 there, 1 here" in result.stderr, result.stderr[-3000:]
+
+
 def corrupt(path: Path, how: str) -> None:
     if how == "no_marker":
         (path / store.MARKER).unlink()
