@@ -131,9 +131,12 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     ("train.steps", "override 'train.steps': expected section.key=value"),
     ("model.n_kv_heads=3", "model.n_kv_heads: 3 does not divide model.n_heads"),
     ("parallel.dp=2", "parallel.dp × parallel.tp = 2 × 2 = 4, but the world size is 2"),
+    # the DeepSpeed engine never read train.compile, yet its summary said compile=True
+    ("parallel.engine=deepspeed parallel.tp=1 train.compile=true",
+     "train.compile: the DeepSpeed engine does not compile the model here"),
 ])
 def test_config_errors_name_the_key(override, message):
-    result = check_config(override, "--world-size", "2")
+    result = check_config(*override.split(), "--world-size", "2")
     assert result.returncode != 0
     assert f"config error: {message}" in result.stderr
 
