@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import hf_variants
-from benchmarks.common import (bootstrap_interval, command, environment, pyplot, rel_err, save_figure, table, turns,
-                               version)
+from benchmarks.common import (bootstrap_interval, command, environment, pyplot, rel_err, require_cuda, save_figure,
+                               table, turns, version)
 from benchmarks.hf_variants import PATCHES, norm_params, restore_module_globals
 
 DEVICE = "cuda"
@@ -405,6 +405,8 @@ def main(argv=None):
     ROUNDS = args.rounds or ROUNDS
     if args.smoke:
         DEVICE, SHAPE, SEQ, TIMED_STEPS, ROUNDS = "cpu", hf_variants.SMOKE_SHAPE, 16, 2, 1
+    elif not args.from_json:
+        require_cuda(parser, "bench_hf_models (without --smoke)")
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.from_json:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import shardnorm
-from benchmarks.common import command, copy_gbs, environment, gbs, rel_err, turns, version
+from benchmarks.common import command, copy_gbs, environment, gbs, rel_err, require_cuda, turns, version
 
 GENAI = [(32768, n) for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536)]
 LLAMA = [(16384, n) for n in (4096, 5120, 8192, 14336)]
@@ -254,6 +254,7 @@ def main(argv=None):
     parser.add_argument("--max-n", type=int, default=1 << 30, help="only shapes with N at most this")
     parser.add_argument("--repeats", type=int, default=3, help="timing rounds over all providers; best median kept")
     args = parser.parse_args(argv)
+    require_cuda(parser, "bench_kernels")
     groups = args.shapes or (["genai"] if args.quick else ["genai", "llama", "qk"])
     torch._dynamo.config.cache_size_limit = 1024
     torch._functorch.config.donated_buffer = False  # compiled backward is re-run with retain_graph

@@ -42,6 +42,12 @@ def gpu_name(device_name: str) -> str:
     return match.group(1).lower() if match else re.sub(r"[^a-z0-9]+", "", device_name.lower().replace("nvidia", ""))
 
 
+def require_cuda(parser, what: str) -> None:
+    """Refuse, through `parser`'s usage error, a run that measures GPU kernels on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        parser.error(f"{what} needs a CUDA GPU; this torch ({torch.__version__}) sees none")
+
+
 def stack(device: str, count: int = 1) -> str:
     """The results folder of this hardware and software: `<gpu>[x<count>]-torch<ver>-triton<ver>` (major.minor)."""
     hardware = gpu_name(torch.cuda.get_device_name()) if device == "cuda" else "cpu"

@@ -260,6 +260,8 @@ def main():
         return
     if not args.out:
         parser.error("--out is required for a run")
+    if args.device == "cuda":
+        common.require_cuda(parser, "sp_step --device cuda (the default; --device cpu runs on gloo)")
     args.inductor = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.inductor)}
     args.dtype = torch.bfloat16
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
