@@ -12,6 +12,10 @@ for arg in "$@"; do
     exit 0
   fi
 done
+if (( $# == 0 )); then
+  echo "usage: launch/deepspeed.sh CONFIG [section.key=value ...] (launch/deepspeed.sh --help)" >&2
+  exit 2
+fi
 source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
 
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")

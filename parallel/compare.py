@@ -7,6 +7,7 @@ Each argument is a run's output dir (summary.json + metrics.jsonl); the table go
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from parallel.metrics import plot_losses
@@ -38,13 +39,18 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="output dirs of finished runs")
     parser.add_argument("--plot", type=Path, help="write the loss curves of all runs here")
     args = parser.parse_args()
-    summaries = [{"run": run.name, **json.loads((run / "summary.json").read_text())}
-                 for run in args.runs]
+    finished = [run for run in args.runs if (run / "summary.json").is_file()]
+    for run in args.runs:
+        if run not in finished:  # stopped before its end (a signal, an error): no summary to compare
+            print(f"{run}: no summary.json (the run did not finish), left out", file=sys.stderr)
+    if not finished:
+        parser.error("none of the runs finished (no summary.json)")
+    summaries = [{"run": run.name, **json.loads((run / "summary.json").read_text())} for run in finished]
     print(table(summaries))
     if args.plot:
         plot_losses(args.plot, {run.name: [json.loads(line)["loss"] for line in
                                            (run / "metrics.jsonl").read_text().splitlines()]
-                                for run in args.runs})
+                                for run in finished})
 
 
 if __name__ == "__main__":
