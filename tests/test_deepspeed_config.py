@@ -122,3 +122,16 @@ def test_absent_or_disabled_leaves_model_untouched(config):
 def test_disabled_section_is_still_validated():
     with pytest.raises(sd.ShardnormConfigError, match=r"^shardnorm\.bucket_cap_mb: "):
         sd.apply(norm_model(0), {"shardnorm": {"enabled": False, "bucket_cap_mb": 0}})
+
+
+def test_convert_model_reads_a_config_path_as_its_dict(tmp_path):
+    """`integrations.transformers.convert_model(model, deepspeed_config=PATH)` follows the file's "shardnorm" section
+    as `apply` and a dict do (a path's string was searched for the word "shardnorm": the section was ignored)."""
+    from shardnorm.integrations.transformers import convert_model
+
+    path = tmp_path / "zero2.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "shardnorm": {"enabled": False}}))
+    model = norm_model(0)
+    classes = _norm_classes(model)
+    convert_model(model, deepspeed_config=str(path))
+    assert _norm_classes(model) == classes  # the section turns conversion off

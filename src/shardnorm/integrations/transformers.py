@@ -188,7 +188,12 @@ def _take_tp_norms(model: nn.Module) -> dict:
 
 
 def _convert_norms(model: nn.Module, deepspeed_config) -> nn.Module:
-    """The one place that converts: per the DeepSpeed "shardnorm" section when the run has one."""
+    """The one place that converts: per the DeepSpeed "shardnorm" section when the run has one (the config as a
+    dict or a JSON file's path: a path's string was searched for the word)."""
+    if deepspeed_config is not None:
+        from shardnorm.integrations.deepspeed_config import load_config
+
+        deepspeed_config = load_config(deepspeed_config)
     if deepspeed_config is not None and "shardnorm" in deepspeed_config:
         from shardnorm.integrations.deepspeed import apply  # for code that calls deepspeed.initialize itself
 
