@@ -139,3 +139,19 @@ def test_autotp_qk_norm_grads_coalesced():
     seed = int.from_bytes(os.urandom(3), "little")
     print(f"seed {seed}")  # shown with a failure; _body(rank, 2, seed) reruns it
     spawn(_body, 2, seed)
+
+
+def test_step_under_zero2_is_refused_before_the_model_changes():
+    """AutoTP with ZeRO-2 and "grad_reduce": "step": refused from the config, before conversion and before DeepSpeed
+    shards the model (refused from the engine after both, a retry with "deepspeed" on the same model trained with
+    its q_norm grads never all-reduced: DeepSpeed does not register its hooks on a model it sharded already)."""
+    from shardnorm.integrations.deepspeed import ShardnormConfigError, initialize
+
+    model = qk_norm_model(0)
+    before = [type(m) for m in model.modules()]
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+              "tensor_parallel": {"autotp_size": 2, "partition_config": PARTITION}, "shardnorm": {"grad_reduce": "step"}}
+    with pytest.raises(ShardnormConfigError, match='"step" under AutoTP needs ZeRO stage 0 or 1'):
+        initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert [type(m) for m in model.modules()] == before
+    assert not any(hasattr(p, "_ds_grad_allreduce_registered") for p in model.parameters())

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from .deepspeed_autotp import attach_marked_norm_grads, claim_marked_norm_grads, marked_norm_params
+from .deepspeed_autotp import (attach_marked_norm_grads, autotp_size, check_step_config, claim_marked_norm_grads,
+                               marked_norm_params, release_marked_norm_grads)
 from .deepspeed_config import ShardnormConfigError, ShardnormSection, load_config, parse_section, read_section
 from .deepspeed_conversion import convert_norms, planned_norms
 
@@ -48,10 +49,18 @@ def initialize(model: torch.nn.Module = None, config: Any = None, **kwargs):
     ds_config = load_config(config)
     section = read_section(ds_config)
     claimed = []
+    if section is not None and section.grad_reduce == "step" and autotp_size(ds_config) > 1:
+        check_step_config(ds_config)
     if section is not None:
         model, _ = convert_norms(model, section)
         claimed = claim_marked_norm_grads(model, ds_config, section)
-    result = deepspeed.initialize(model=model, config=config, **kwargs)
-    if claimed:
-        attach_marked_norm_grads(result[0], claimed, section.bucket_cap_mb)
+    try:
+        result = deepspeed.initialize(model=model, config=config, **kwargs)
+        if claimed:
+            attach_marked_norm_grads(result[0], claimed, section.bucket_cap_mb)
+    except BaseException:
+        # a retry (as the error advises, "grad_reduce": "deepspeed") must get DeepSpeed's all-reduce hooks on the
+        # claimed parameters again: with the claim left, their grads were never reduced
+        release_marked_norm_grads(claimed)
+        raise
     return result

@@ -56,16 +56,29 @@ def marked_norm_params(model: torch.nn.Module, ds_config: dict, norms=None) -> l
     return marked
 
 
+def _step_error(stage, overlap_comm) -> ShardnormConfigError:
+    return ShardnormConfigError(
+        "shardnorm.grad_reduce",
+        f'"step" under AutoTP needs ZeRO stage 0 or 1 with overlap_comm off and grads accumulated in the '
+        f"parameter dtype (got stage {stage}, overlap_comm {overlap_comm}): ZeRO reduces each grad during "
+        'backward there, before shardnorm could. Set "grad_reduce": "deepspeed" to keep DeepSpeed\'s '
+        "per-parameter all-reduce.")
+
+
+def check_step_config(ds_config: dict) -> None:
+    """`_check_engine`'s conditions as the config states them, before the model changes: once DeepSpeed has
+    sharded a model, a retry on it with "grad_reduce": "deepspeed" would not get DeepSpeed's all-reduce hooks."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage, overlap_comm = int(zero.get("stage", 0) or 0), zero.get("overlap_comm")
+    if stage >= 2 or overlap_comm is True:
+        raise _step_error(stage, overlap_comm)
+
+
 def _check_engine(engine) -> None:
     """Raise unless grads stay in .grad until the boundary backward ends (see the module docstring)."""
     stage = engine.zero_optimization_stage()
     if stage >= 2 or engine.zero_overlap_comm() or getattr(engine.optimizer, "use_grad_accum_attribute", False):
-        raise ShardnormConfigError(
-            "shardnorm.grad_reduce",
-            f'"step" under AutoTP needs ZeRO stage 0 or 1 with overlap_comm off and grads accumulated in the '
-            f"parameter dtype (got stage {stage}, overlap_comm {engine.zero_overlap_comm()}): ZeRO reduces each "
-            'grad during backward there, before shardnorm could. Set "grad_reduce": "deepspeed" to keep '
-            "DeepSpeed's per-parameter all-reduce.")
+        raise _step_error(stage, engine.zero_overlap_comm())
 
 
 def claim_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: ShardnormSection) -> list:
@@ -77,6 +90,13 @@ def claim_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: Sh
     for p in params:
         setattr(p, _DS_FLAG, True)
     return params
+
+
+def release_marked_norm_grads(params: list) -> None:
+    """Undo `claim_marked_norm_grads`: DeepSpeed registers its all-reduce hooks on these again."""
+    for p in params:
+        if hasattr(p, _DS_FLAG):
+            delattr(p, _DS_FLAG)
 
 
 def attach_marked_norm_grads(engine, params: list, bucket_cap_mb: float) -> None:
