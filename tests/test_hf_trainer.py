@@ -202,3 +202,20 @@ def test_trainer_torch_compile(tmp_path):
 
     _close(run("compiled", compiled=True, shardnorm_on=True), run("eager", compiled=False, shardnorm_on=False),
            "compiled Trainer with shardnorm vs eager Trainer with the model's own norms")
+
+
+def test_enable_refuses_a_trainer_with_model_init(tmp_path):
+    """A Trainer built with `model_init` makes a new model in train(): enable(trainer) names that, where the norms it
+    converted were silently dropped before (the run trained the model's own norms)."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from shardnorm.integrations.transformers import enable
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2)
+    transformers.logging.set_verbosity_error()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no")
+    trainer = Trainer(model_init=lambda: LlamaForCausalLM(config), args=args)
+    with pytest.raises(ValueError, match="has a model_init, which train\\(\\) calls to build a new model"):
+        enable(trainer)

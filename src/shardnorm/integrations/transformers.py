@@ -295,6 +295,10 @@ def enable(trainer, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, keep_output
     """
     if getattr(trainer, "_shardnorm_enabled", False):
         return trainer.model
+    if getattr(trainer, "model_init", None) is not None:
+        raise ValueError("shardnorm: enable(trainer) converts trainer.model, but this Trainer has a model_init, "
+                         "which train() calls to build a new model in its place (the converted one would not "
+                         "train); convert inside model_init instead: return shardnorm.convert(model)[0]")
     if trainer.model_wrapped is not trainer.model:
         raise RuntimeError("shardnorm: enable(trainer) must run before train() wraps the model "
                            f"(trainer.model_wrapped is a {type(trainer.model_wrapped).__name__})")
