@@ -379,3 +379,14 @@ def test_meta_tensors_with_triton_backend(triton_backend, residual):
     assert y.device.type == "meta" and y.shape == x.shape and y.dtype == torch.bfloat16
     y.sum().backward()
     assert x.grad.shape == x.shape and norm.weight.grad.shape == (8,) and norm.bias.grad.shape == (8,)
+
+
+def test_accelerate_dispatched_model_is_refused_naming_the_hook():
+    """A model dispatched by Accelerate (device_map, offload): its norms carry Accelerate's device hook, whose
+    per-instance forward has the class forward's name; the error names the hook and the order that works (it named
+    the norm's own forward and pointed at tensor parallelism)."""
+    accelerate = pytest.importorskip("accelerate")
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    accelerate.dispatch_model(model, device_map={"": "cpu"}, force_hooks=True)
+    with pytest.raises(NormWrapperError, match="Accelerate's device hook .*convert it before dispatching"):
+        shardnorm.convert(model)

@@ -69,7 +69,10 @@ def wrappers_of(module: torch.nn.Module) -> list:
     """What `module` carries beyond its class that a replacement would drop: a per-instance `forward`,
     module hooks (forward, backward, state_dict), DTensor parameters. Empty: safe to replace."""
     found = []
-    if "forward" in module.__dict__:
+    if getattr(module, "_hf_hook", None) is not None:  # its per-instance forward copies the class forward's name
+        found.append(f"Accelerate's device hook ({type(module._hf_hook).__name__}: a model dispatched with "
+                     f"device_map or offload; convert it before dispatching, then accelerate.dispatch_model)")
+    elif "forward" in module.__dict__:
         found.append(f"a per-instance forward ({_hook_name(module.__dict__['forward'])})")
     found += [f"a {what} ({_hook_name(h)})" for what, h in module_hooks(module)]
     for name, p in module.named_parameters(recurse=False):
