@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import shardnorm
+
 ROOT = Path(__file__).resolve().parents[1]
 HUNG_S = 600  # for a hung process, not a slow one: the report takes seconds
 
@@ -44,3 +46,20 @@ def test_model_lists_what_convert_would_convert(tmp_path):
     # per layer: input, post-attention, q and k norms; and the final norm
     assert re.search(r"^convert would convert +9 norm module\(s\): Qwen3RMSNorm x9$", out, re.M), out
     assert re.search(r"^and leave alone +0 norm-like module\(s\)$", out, re.M), out
+
+
+def test_model_report_builds_the_class_the_checkpoint_names(tmp_path):
+    """An encoder-decoder saved with its `architectures` (as a checkpoint is): the report builds that class and counts
+    its norms (it built BartForCausalLM, the decoder alone: 37 of 62); a dir without a config says so in one line."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, architectures=["BartForConditionalGeneration"])
+    config.save_pretrained(tmp_path / "bart")
+    with torch.device("meta"):
+        expected = shardnorm.convert(transformers.BartForConditionalGeneration(config), warn=False).count
+    out = report("--model", str(tmp_path / "bart")).stdout
+    assert f"{tmp_path / 'bart'}: BartForConditionalGeneration" in out, out
+    assert re.search(rf"^convert would convert +{expected} norm module\(s\)", out, re.M), out
+    result = report("--model", str(tmp_path / "missing"))
+    assert "no model config could be read" in result.stdout and "Traceback" not in result.stderr, result.stderr

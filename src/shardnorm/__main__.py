@@ -87,12 +87,23 @@ def model_report(model_id: str) -> list[tuple[str, str]]:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     except ImportError:
         return [("model", "transformers is not installed (pip install 'shardnorm[hf]')")]
-    config = AutoConfig.from_pretrained(model_id)  # a hub id downloads config.json alone
+    import transformers
+
+    try:
+        config = AutoConfig.from_pretrained(model_id)  # a hub id downloads config.json alone
+    except (OSError, ValueError) as error:
+        return [("model", f"{model_id}: no model config could be read ({type(error).__name__}: {error})")]
+    # the class the checkpoint names (an encoder-decoder's conditional generation model, a multimodal one), else
+    # a causal LM, else the bare model
+    named = [getattr(transformers, name, None) for name in (getattr(config, "architectures", None) or [])]
     with torch.device("meta"):  # the structure without weights: no memory, no download
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError:  # not a causal LM (an encoder, a seq2seq model)
-            model = AutoModel.from_config(config)
+        if named and named[0] is not None:
+            model = named[0](config)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_config(config)
+            except ValueError:  # not a causal LM (an encoder, a seq2seq model)
+                model = AutoModel.from_config(config)
     classes = {name: type(module).__name__ for name, module in model.named_modules()}
     result = shardnorm.convert(model, warn=False)
     converted = Counter(classes[name] for name in result.converted)
