@@ -45,6 +45,7 @@ class MetricsLogger:
     def __init__(self, out_dir: Path, total_steps: int, enabled: bool, tensorboard: bool = False):
         self.out_dir, self.total_steps, self.enabled, self.records = out_dir, total_steps, enabled, []
         self.file = self.bar = self.tensorboard = None
+        self.process_start = True  # the next record is this process's first step (a resumed run warms up again)
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,6 +75,8 @@ class MetricsLogger:
     def log_step(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self.process_start:
+            record, self.process_start = {**record, "process_start": True}, False
         self.records.append(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -87,8 +90,17 @@ class MetricsLogger:
             logger.info(format_step(record))
 
     def summarize(self, timing_skip: int, extra: dict) -> dict:
-        """Throughput and step time over the steps after the first `timing_skip`, less a profiled one."""
-        timed = [r for r in self.records[timing_skip:] if not r.get("profiled")] or self.records
+        """Throughput and step time over the steps after the first `timing_skip` of each process that ran them (a
+        resumed run compiles and warms up again), less a profiled one."""
+        timed, warming = [], 0
+        for i, record in enumerate(self.records):
+            if i == 0 or record.get("process_start"):
+                warming = timing_skip
+            if warming:
+                warming -= 1
+            elif not record.get("profiled"):
+                timed.append(record)
+        timed = timed or self.records
         seconds = sum(r["step_time_s"] for r in timed) or float("nan")
         return {**extra,
                 "steps": len(self.records),

@@ -179,3 +179,25 @@ def test_lr_schedule_is_warmup_then_cosine_to_a_tenth(warmup_steps, steps):
         assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
+
+
+def test_summary_leaves_out_each_process_s_warm_up_steps(tmp_path):
+    """A run resumed at step 6 warms up (and compiles) again: the summary's throughput leaves out the first
+    `timing_skip` steps of each process, not only the run's first (the resumed step's compile time was timed)."""
+    from parallel.metrics import MetricsLogger
+
+    def step(n, seconds):
+        return {"step": n, "loss": 1.0, "lr": 1e-3, "tokens": 100, "step_time_s": seconds, "tokens_per_s": 0.0,
+                "peak_mem_gib": 0.1}
+
+    first = MetricsLogger(tmp_path, 8, enabled=True)
+    first.start(1)
+    for n in range(1, 6):
+        first.log_step(step(n, 10.0 if n <= 2 else 1.0))
+    first.file.close()
+    resumed = MetricsLogger(tmp_path, 8, enabled=True)
+    resumed.start(6)
+    for n in range(6, 9):
+        resumed.log_step(step(n, 10.0 if n <= 7 else 1.0))
+    summary = resumed.summarize(2, {})
+    assert summary["timed_steps"] == 4 and summary["step_time_s"] == 1.0, summary  # steps 3, 4, 5 and 8
