@@ -70,10 +70,9 @@ def mark_bound(norm: nn.Module, reducer) -> None:
     parameter its forward reads was given one of the reducer's sinks (the forward compares it with the
     parameters' own, `shardnorm.modules`), with their sequence-parallel marks; otherwise drop what an earlier
     binding recorded."""
-    params = norm._parameters
-    registered = {name: p for name, p in params.items() if p is not None}
-    bias_read = "bias" in params or norm._rms or getattr(norm, "bias", None) is None  # else not from _parameters
-    if params.get("weight") is not None and bias_read and all(
+    registered = dict(norm.named_parameters(recurse=False))
+    bias_read = "bias" in registered or norm._rms or getattr(norm, "bias", None) is None  # else not a parameter
+    if registered.get("weight") is not None and bias_read and all(
             getattr(p, REDUCER_ATTR, None) is reducer and grad_sink(p) is not None for p in registered.values()):
         norm.__dict__[BOUND_REDUCER_ATTR] = reducer
         norm.__dict__[MARKS_ATTR] = {name: {k: vars(p)[k] for k in _MARKS if k in vars(p)}
@@ -88,7 +87,7 @@ def restore_marks(norm: nn.Module) -> None:
     `load_state_dict(assign=True)`): a plain parameter without its group would be neither reduced nor accepted
     next to its DTensor input."""
     for name, marks in norm.__dict__.get(MARKS_ATTR, {}).items():
-        p = norm._parameters.get(name)
+        p = dict(norm.named_parameters(recurse=False)).get(name)
         if p is not None:
             for key, value in marks.items():
                 if key not in vars(p) and (key != GROUP_ATTR or not isinstance(p, DTensor)):
