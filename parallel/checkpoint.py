@@ -236,7 +236,7 @@ class Checkpointer:
     def _prune(self, step: int) -> None:
         """Keep the newest `keep_last` complete checkpoints up to `step` (the one just saved among them); drop older
         torn ones. Checkpoints of later steps are another run's, this one resumed from an earlier step in the same
-        dir: counting them as the newest deleted this run's own, the one just saved included."""
+        dir: counting them as the newest would delete this run's own, the one just saved included."""
         complete = 0
         for saved_step, path in store.candidates(self.root):
             if saved_step > step:

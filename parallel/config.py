@@ -191,7 +191,8 @@ def validate(cfg: Config) -> None:
     _check(p.engine != "deepspeed" or p.tp == 1, "parallel.tp",
            "must be 1 with parallel.engine = deepspeed (DeepSpeed runs data parallel only here)")
     _check(p.engine != "deepspeed" or not t.compile, "train.compile",
-           "the DeepSpeed engine does not compile the model here (--compile runs with parallel.engine = fsdp_tp: launch/train.sh)")
+           "the DeepSpeed engine does not compile the model here (--compile runs with parallel.engine = "
+           "fsdp_tp: launch/train.sh)")
     _check(p.engine != "deepspeed" or Path(p.deepspeed_config).is_file(),
            "parallel.deepspeed_config", f"{p.deepspeed_config} is not a file")
     _check(not d.path or Path(d.path).is_file(), "data.path", f"{d.path} is not a file")

@@ -217,7 +217,7 @@ def test_resume_with_another_global_batch_names_the_setting(reference, tmp_path)
 
 def test_resume_into_another_model_names_the_setting(reference, tmp_path):
     """A checkpoint of 2 layers into a model of 1: the [model] setting named (DCP loaded the subset it found and the
-    run trained another model, or failed with a shape error for settings that change shapes)."""
+    run would train another model, or fail with a shape error for settings that change shapes)."""
     copy_checkpoint(reference[0], 6, tmp_path)
     result = subprocess.run([sys.executable, "-m", "parallel.train",
                              *job_args(tmp_path, "parallel.tp=1", "data.batch_size=2", "model.n_layers=1")],
@@ -318,8 +318,8 @@ def test_deepspeed_resumes_from_its_own_checkpoint(tmp_path):
 
 def test_pruning_keeps_the_run_s_own_checkpoints(tmp_path):
     """`keep_last` counts the checkpoints up to the one just saved: a run resumed from an earlier step in a dir that
-    holds a later run's checkpoints keeps its own (it deleted the one it had just saved and the one it resumed from,
-    keeping the other run's as the newest) and leaves the others; a plain run keeps its newest two."""
+    holds a later run's checkpoints keeps its own (counting the other run's as the newest would delete the one just
+    saved and the one it resumed from) and leaves the others; a plain run keeps its newest two."""
     from types import SimpleNamespace
 
     from parallel.checkpoint import Checkpointer

@@ -126,7 +126,7 @@ def test_disabled_section_is_still_validated():
 
 def test_convert_model_reads_a_config_path_as_its_dict(tmp_path):
     """`integrations.transformers.convert_model(model, deepspeed_config=PATH)` follows the file's "shardnorm" section
-    as `apply` and a dict do (a path's string was searched for the word "shardnorm": the section was ignored)."""
+    as `apply` and a dict do (a search of the path's string for the word "shardnorm" would ignore the section)."""
     from shardnorm.integrations.transformers import convert_model
 
     path = tmp_path / "zero2.json"

@@ -194,8 +194,8 @@ def test_hidden_sharded_norms_with_sharded_rows_and_empty_slices():
 
 def _transposed_inputs(rank, world_size, seed):
     """x [b, s, h] sharded over s or h, transposed to [s, b, h] (a non-contiguous local tensor), token-sharded and
-    hidden-sharded: the output's global stride is the contiguous one torch's norm gives (it was x's, over a
-    contiguous local tensor, so a transpose back and a reshape failed), its values and x's grad one process's."""
+    hidden-sharded: the output's global stride is the contiguous one torch's norm gives (x's, over a contiguous
+    local tensor, would make a transpose back and a reshape fail), its values and x's grad one process's."""
     torch.manual_seed(seed)
     mesh = init_device_mesh(DEVICE, (world_size,))
     device = rank_device(rank)

@@ -378,7 +378,7 @@ class _Raised(Exception):
 def _backward_that_raises(mesh, seed):
     """A backward that raises midway (an OOM, a failing hook) after some norms gave their grads, inside `accumulate`
     or as the step's last one, the step given up with each zero_grad: the next step's grads are its own (the sums
-    of the failed backward had stayed behind, 0.9-1.4 relative error), and nothing stays pending."""
+    of the failed backward left behind would be off by 0.9-1.4 relative), and nothing stays pending."""
     for where in ("inside accumulate", "the step's last"):
         for case in ("optimizer, set_to_none", "module, zeros"):
             ref, model = _models(mesh, seed)
@@ -407,7 +407,8 @@ def _backward_that_raises(mesh, seed):
 
 def _carried_grads_changed_mid_step(mesh, seed):
     """`.grad` kept from the last step (no zero_grad between steps), then zeroed or scaled in place between the
-    micro-batches: the grads are torch's, the kept part counted once (zeroing gave minus it, once per other rank)."""
+    micro-batches: the grads are torch's, the kept part counted once (not once per rank: zeroing would give minus
+    it)."""
     changes = {"zeroed": lambda g: g.zero_(), "halved": lambda g: g.mul_(0.5)}
     for case, change in changes.items():
         ref, model = _models(mesh, seed)
@@ -422,7 +423,7 @@ def _carried_grads_changed_mid_step(mesh, seed):
 
 def _deepcopy_with_grads(mesh, seed):
     """A deep copy of the model (an EMA copy, `AveragedModel`) after a step and between micro-batches: the copy's
-    grads are the model's (the reducer's `.grad`s were views of one bucket at offsets, which torch cannot copy)."""
+    grads are the model's (`.grad`s that are views of one bucket at offsets, torch cannot copy)."""
     import copy
 
     ref, model = _models(mesh, seed)

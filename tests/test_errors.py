@@ -145,7 +145,7 @@ def test_flag_types():
 
 def test_nested_tensor_is_named():
     """A jagged nested tensor (packed variable-length sequences), which torch's norms take: an error naming it
-    (it failed inside a reshape, naming no argument)."""
+    (not a reshape's error, which names no argument)."""
     nested = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)], layout=torch.jagged)
     for norm in (shardnorm.LayerNorm(8), shardnorm.RMSNorm(8)):
         with pytest.raises(TypeError, match="x is a nested tensor"):

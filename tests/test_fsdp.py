@@ -325,7 +325,7 @@ def _in_place_grad_step(model, micro_batches) -> dict[str, torch.Tensor]:
 
 def _tp2_in_place(rank, world_size, seed):
     """FSDP2 × TP with accumulate(fsdp_sync=True): in-place grad code between micro-batches works and gives the
-    grads it gives with torch's norms (shardnorm's FSDP grad source once marked .grad requires_grad)."""
+    grads it gives with torch's norms (.grad's requires_grad stays the user's)."""
     _quiet()
     device = rank_device(rank)
     batches = token_batches(seed, 1, steps=2)
@@ -363,7 +363,7 @@ def _frozen_norms_step(model, micro_batches, freeze) -> dict[str, torch.Tensor]:
 def _tp2_frozen_norms(rank, world_size, seed):
     """FSDP2 x TP (`shard_model`) with some sequence-parallel norm weights frozen (LoRA-style) before the wrapping
     and others after it: the step trains as with torch's norms, the frozen weights get no grad (a hook on a frozen
-    parameter raised)."""
+    parameter raises)."""
     _quiet()
     device = rank_device(rank)
     batches = token_batches(seed, 1, steps=2)

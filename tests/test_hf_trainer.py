@@ -206,7 +206,7 @@ def test_trainer_torch_compile(tmp_path):
 
 def test_enable_refuses_a_trainer_with_model_init(tmp_path):
     """A Trainer built with `model_init` makes a new model in train(): enable(trainer) names that, where the norms it
-    converted were silently dropped before (the run trained the model's own norms)."""
+    converted would be silently dropped (the run would train the model's own norms)."""
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 

@@ -219,7 +219,7 @@ def test_torch_compile_fullgraph_matches_eager():
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 def test_batched_grads_match_torch(backend, device, rms):
     """A backward batched over its grads (`torch.autograd.grad(..., is_grads_batched=True)`, `jacobian(vectorize=True)`)
-    gives torch's grads on every backend: the kernels cannot read its batched tensors (they raised), so such a backward
+    gives torch's grads on every backend: the kernels cannot read its batched tensors, so such a backward
     takes torch ops."""
     seed = torch.seed()
     print(f"seed {seed}")

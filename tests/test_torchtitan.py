@@ -85,7 +85,7 @@ def test_torchtitan_trainer_tp2_accumulation_matches_stock(tmp_path):
 @pytest.mark.distributed
 def test_torchtitan_qwen3_qk_norms_tp2_match_stock(tmp_path):
     """qwen3's debug model at tp=2: its per-head q/k norms stay replicated (torchtitan's own parallelize redistributes
-    their inputs by `forward`'s parameter names: a `residual` never passed raised KeyError), and the losses equal
+    their inputs by `forward`'s parameter names: a `residual` never passed would raise KeyError), and the losses equal
     stock torchtitan's."""
     from tests.torchtitan_runner import make_assets
 

@@ -183,7 +183,7 @@ def test_lr_schedule_is_warmup_then_cosine_to_a_tenth(warmup_steps, steps):
 
 def test_summary_leaves_out_each_process_s_warm_up_steps(tmp_path):
     """A run resumed at step 6 warms up (and compiles) again: the summary's throughput leaves out the first
-    `timing_skip` steps of each process, not only the run's first (the resumed step's compile time was timed)."""
+    `timing_skip` steps of each process, not only the run's first (the resumed step's compile time is not timed)."""
     from parallel.metrics import MetricsLogger
 
     def step(n, seconds):

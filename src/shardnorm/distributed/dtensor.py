@@ -97,7 +97,7 @@ def _local(p, layout: NormLayout, cut: bool):
 
 def _from_local(t, x: DTensor, x_local):
     """A result `t` (contiguous rows) as a DTensor laid out like x: its global stride the contiguous one, whatever
-    x's (a transposed x's stride over a contiguous result made views of it fail)."""
+    x's (a transposed x's stride over a contiguous result would make views of it fail)."""
     return as_dtensor(t.view(x_local.shape), x.device_mesh, x.placements, x.shape, contiguous_strides(x.shape))
 
 

@@ -86,8 +86,9 @@ def restore_marks(norm: nn.Module) -> None:
     """Put back on a bound norm's parameters the sequence-parallel marks that replacing them dropped (`model.to`,
     `load_state_dict(assign=True)`): a plain parameter without its group would be neither reduced nor accepted
     next to its DTensor input."""
+    params = dict(norm.named_parameters(recurse=False))
     for name, marks in norm.__dict__.get(MARKS_ATTR, {}).items():
-        p = dict(norm.named_parameters(recurse=False)).get(name)
+        p = params.get(name)
         if p is not None:
             for key, value in marks.items():
                 if key not in vars(p) and (key != GROUP_ATTR or not isinstance(p, DTensor)):

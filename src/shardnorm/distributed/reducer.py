@@ -16,8 +16,9 @@ Megatron-Core keeps them in its grad buffer): however the user zeroes grads (`ze
 `p.grad.zero_()`, `p.grad.data.zero_()`), the zeroing reaches them. The step's last backward takes them back out
 before its buckets are reduced: the exact fp32 sums where `.grad` still holds what was written there, so a bf16
 `.grad` rounds the step's sum once. Where a bucket's `.grad`s are all None (after `zero_grad(set_to_none=True)`),
-the reducer writes them all in one multi-tensor copy: a few kernels per bucket instead of a few per parameter. A backward that raises leaves its sums in `.grad` as an accumulating backward does, so the user's
-zeroing of a step given up reaches them.
+the reducer writes them all in one multi-tensor copy: a few kernels per bucket instead of a few per parameter.
+A backward that raises leaves its sums in `.grad` as an accumulating backward does, so the user's zeroing of a
+step given up reaches them.
 """
 
 import functools
@@ -161,7 +162,7 @@ class _Bucket:
     (a user's own `.grad`, some set to None, a norm unused in a micro-batch), each slot does it on its own
     (`_Slot`)."""
 
-    __slots__ = ("group", "flat", "slots", "pending", "work", "dirty", "pieces", "sizes", "stashed")
+    __slots__ = ("group", "flat", "slots", "pending", "work", "dirty", "pieces", "stashed")
 
     def __init__(self, group, flat: torch.Tensor, slots: list[_Slot]):
         self.group, self.flat, self.slots = group, flat, slots
@@ -170,7 +171,6 @@ class _Bucket:
         for s in slots:
             offsets.append(offsets[-1] + s.data.numel())
         self.pieces = list(zip(offsets[:-1], offsets[1:]))
-        self.sizes = [s.data.numel() for s in slots]
         # (total, written, grads): the slots' stashed state, the first two as flat tensors, grads the `.grad`s'
         # tensors, or None
         self.stashed = None
@@ -187,7 +187,7 @@ class _Bucket:
         """The slots' pieces of `flat` as tensors of their own, copied by one multi-tensor kernel: `.grad`s that are
         views of one tensor would take no copy, but torch cannot deepcopy a DTensor over a view at an offset (a
         model copied for EMA or `AveragedModel` after a backward)."""
-        pieces = [flat.new_empty(n) for n in self.sizes]
+        pieces = [flat.new_empty(b - a) for a, b in self.pieces]
         foreach_copy(pieces, self._views(flat))
         return pieces
 
@@ -591,8 +591,8 @@ def _refuse_pending_step(optimizer, args, kwargs) -> None:
     if not pending and _step_check is not None:
         _step_check.remove()
         _step_check = None
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]} if pending else set()
     for reducer in pending:
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if not stepped.isdisjoint(reducer._slots):
             raise RuntimeError(
                 "shardnorm: optimizer.step() over norm parameters whose grads are still accumulating: the norm "

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .deepspeed_autotp import (attach_marked_norm_grads, autotp_size, check_step_config, claim_marked_norm_grads,
-                               marked_norm_params, release_marked_norm_grads)
+                               marked_norm_params)
 from .deepspeed_config import ShardnormConfigError, ShardnormSection, load_config, parse_section, read_section
 from .deepspeed_conversion import convert_norms, planned_norms
 
@@ -54,13 +54,7 @@ def initialize(model: torch.nn.Module = None, config: Any = None, **kwargs):
     if section is not None:
         model, _ = convert_norms(model, section)
         claimed = claim_marked_norm_grads(model, ds_config, section)
-    try:
-        result = deepspeed.initialize(model=model, config=config, **kwargs)
-        if claimed:
-            attach_marked_norm_grads(result[0], claimed, section.bucket_cap_mb)
-    except BaseException:
-        # a retry (as the error advises, "grad_reduce": "deepspeed") must get DeepSpeed's all-reduce hooks on the
-        # claimed parameters again: with the claim left, their grads were never reduced
-        release_marked_norm_grads(claimed)
-        raise
+    result = deepspeed.initialize(model=model, config=config, **kwargs)
+    if claimed:
+        attach_marked_norm_grads(result[0], claimed, section.bucket_cap_mb)
     return result

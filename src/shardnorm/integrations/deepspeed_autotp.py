@@ -92,13 +92,6 @@ def claim_marked_norm_grads(model: torch.nn.Module, ds_config: dict, section: Sh
     return params
 
 
-def release_marked_norm_grads(params: list) -> None:
-    """Undo `claim_marked_norm_grads`: DeepSpeed registers its all-reduce hooks on these again."""
-    for p in params:
-        if hasattr(p, _DS_FLAG):
-            delattr(p, _DS_FLAG)
-
-
 def attach_marked_norm_grads(engine, params: list, bucket_cap_mb: float) -> None:
     """Start owning the claimed params' reduction for `engine` (the one `deepspeed.initialize` returned)."""
     _check_engine(engine)

@@ -65,7 +65,7 @@ class ShardnormRMSNorm(shardnorm.RMSNorm, Module):
 
     def forward(self, x):
         """torchtitan's signature: its `Module.parallelize` redistributes every parameter `forward` names, so a
-        replicated norm (qwen3's q/k norms under TP) with an unpassed `residual` failed there."""
+        replicated norm (qwen3's q/k norms under TP) with an unpassed `residual` would fail there."""
         return shardnorm.RMSNorm.forward(self, x)
 
     def parallelize(self, parallel_dims) -> None:

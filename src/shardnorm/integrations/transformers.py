@@ -189,7 +189,7 @@ def _take_tp_norms(model: nn.Module) -> dict:
 
 def _convert_norms(model: nn.Module, deepspeed_config) -> nn.Module:
     """The one place that converts: per the DeepSpeed "shardnorm" section when the run has one (the config as a
-    dict or a JSON file's path: a path's string was searched for the word)."""
+    dict or a JSON file's path, read as `apply` reads it)."""
     if deepspeed_config is not None:
         from shardnorm.integrations.deepspeed_config import load_config
 
