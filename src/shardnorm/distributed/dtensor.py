@@ -13,8 +13,7 @@ the node, `reducer.py`), or, without a reducer, to autograd as `Partial`. Two wa
   traces.
 
 Hidden-sharded inputs (a normalized dim sharded) need their statistics all-reduced between the two halves of the
-norm, which the fused kernels cannot do: `hidden_sharded.py` computes them with torch ops (eagerly under
-torch.compile on CUDA, below).
+norm, which the fused kernels cannot do: `hidden_sharded.py` computes them with torch ops.
 """
 
 import torch
@@ -36,8 +35,6 @@ def norm_dtensor(x: DTensor, weight, bias, residual, eps: float, rms: bool, zero
     layout = norm_layout(x, weight, bias, residual, normalized_shape)
     n = global_normalized_numel(x, layout)
     if layout.hidden_mesh_dim is not None:
-        if x.is_cuda and torch.compiler.is_compiling():
-            return _hidden_sharded_untraced(x, weight, bias, residual, eps, rms, zero_centered, layout, n)
         return _hidden_sharded(x, weight, bias, residual, eps, rms, zero_centered, layout, n)
     sinks = _sinks(weight, bias, layout)
     if _one_node_ok(x, weight, bias, residual):
@@ -120,13 +117,6 @@ def _hidden_rows(local, layout: NormLayout):
     if columns:
         return as_rows(local, columns)
     return local.reshape(local.shape[:local.dim() - layout.normalized_ndim].numel(), 0)
-
-
-# Traced on CUDA (torch 2.11, NCCL), the hidden-sharded norm's compiled backward gives zero grads to x, weight and
-# bias while its forward is right (traced on CPU, gloo, torch 2.13, the grads are right; tests/test_graph_breaks.py
-# compares both with eager): under torch.compile on CUDA it runs eagerly, one graph break per call (with
-# fullgraph=True, Dynamo's error naming this function) rather than wrong grads.
-_hidden_sharded_untraced = torch.compiler.disable(_hidden_sharded)
 
 
 def _spec(layout: NormLayout, placements: tuple, shape, stride: tuple, dtype: torch.dtype):

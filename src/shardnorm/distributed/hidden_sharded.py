@@ -68,7 +68,9 @@ class HiddenShardedNorm(torch.autograd.Function):
             y = y + bias.float()
         ctx.save_for_backward(x, weight, shift, offset, rstd)
         ctx.zero_centered, ctx.group, ctx.n, ctx.has_bias = zero_centered, group, n, bias is not None
-        return y.to(x.dtype)
+        # not `y.to(x.dtype)` where that is y itself: torch 2.11's Dynamo then traces the backward with a zero grad
+        # for that output (an fp32 x's grads all zero, compiled; torch 2.13 traces it right)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
