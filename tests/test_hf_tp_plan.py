@@ -24,8 +24,8 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-
 from spawn_ranks import DEVICE, rank_device, spawn
+from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
 
@@ -201,8 +201,19 @@ def _body(rank, world, root):
         if i == 0:  # transformers' own style names, taken over by convert_model
             ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
         else:  # shardnorm's registered style, named in the plan
-            ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(
-                tp_plan={f"model.layers.*.self_attn.{n}": REPLICATED_NORM_STYLE for n in ("q_norm", "k_norm")}))
+            norms = {f"model.layers.*.self_attn.{n}": REPLICATED_NORM_STYLE for n in ("q_norm", "k_norm")}
+            # the norms' entries alone: transformers 5.23 adds them to the model's own plan, 5.17 replaces the plan
+            # with them, leaving the projections whole, so that summing the norms' grads over tp would double them
+            alone = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                         distributed_config=DistributedConfig(tp_plan=norms))
+            if isinstance(alone.model.layers[0].self_attn.q_proj.weight, DTensor):
+                ours = alone
+            else:  # convert_model refuses, and the model's plan with the norms' entries is what works
+                with pytest.raises(ValueError, match=r"self_attn\.q_norm.*shards no projection beside it"):
+                    convert_model(alone)
+                base = {f"model.{k}": v for k, v in alone.config.base_model_tp_plan.items()}
+                ours = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=torch.float32, distributed_config=DistributedConfig(tp_plan={**base, **norms}))
             with pytest.raises(RuntimeError, match=f"{REPLICATED_NORM_STYLE}.*convert_model"):
                 _loss(ours, batches[0])
             # a user's backward hook on a norm is not transformers' to drop: conversion refuses, naming it

@@ -148,6 +148,24 @@ def _in_tensor_parallel_mode(module: nn.Module) -> bool:
         any(getattr(p, "sequence_parallel", False) for p in module.parameters(recurse=False))
 
 
+def _check_rows_are_local(name: str, style: str, plan: dict) -> None:
+    """A replicated norm's grads are partial sums over tensor-parallel ranks only where its rows are this rank's
+    heads: where the plan shards a projection beside it (q_proj / k_proj "colwise"). Without one every rank holds
+    every head, its grads are already whole, and summing them over the ranks would multiply them by tp. A
+    `DistributedConfig(tp_plan=dict)` replaces the model's own plan on transformers 5.17 (5.23 updates it), so a plan
+    of norm entries alone shards nothing else there."""
+    parent = _wildcard(name).rpartition(".")[0]
+    if any(key.startswith(f"{parent}.") and "colwise" in str(other) for key, other in plan.items()):
+        return
+    raise ValueError(f"shardnorm: tp_plan style {style!r} on norm {name!r} sums its grads over the tensor-parallel "
+                     f"ranks, but the plan shards no projection beside it (no 'colwise' entry under {parent!r}), so "
+                     f"every rank holds all of its rows and the sums would be tp times the grad. Shard the "
+                     f"projections that feed it: on transformers {transformers.__version__}, a DistributedConfig"
+                     f"(tp_plan=dict) may replace the model's own plan rather than update it; pass the model's plan "
+                     f"with your entries ({{**{{f'model.{{k}}': v for k, v in config.base_model_tp_plan.items()}}, "
+                     f"**yours}})")
+
+
 def _take_tp_norms(model: nn.Module) -> dict:
     """{module name: kind} of the norms that carry a tensor-parallel norm style and are not in shardnorm's
     mode yet, with transformers' wrappers and hooks taken off so `convert` sees a plain norm (a hook of
@@ -158,7 +176,7 @@ def _take_tp_norms(model: nn.Module) -> dict:
     if (getattr(model, "_fsdp_size", None) or 1) > 1:
         raise ValueError(f"shardnorm: tp_plan norms are supported with tensor parallelism alone; this model is "
                          f"also sharded by transformers' FSDP (DistributedConfig fsdp_size={model._fsdp_size})")
-    taken = {}
+    found = []  # (name, module, kind), all checked before any is changed: a refusal leaves the model as it was
     for name, module in model.named_modules():
         style = plan.get(_wildcard(name))
         if style is None or not _is_norm(module):
@@ -169,19 +187,23 @@ def _take_tp_norms(model: nn.Module) -> dict:
                              f"norms take one of {sorted(KIND_OF_STYLE)}")
         if _in_tensor_parallel_mode(module):  # taken over by an earlier convert_model: nothing left to take
             continue
+        if kind == "replicated":
+            _check_rows_are_local(name, style, plan)
         for pname, param in module.named_parameters(recurse=False):
             if has_post_accumulate_grad_hooks(param):
                 raise RuntimeError(f"shardnorm: {name}.{pname} already has transformers' per-micro-batch grad "
                                    f"all-reduce hook (the model ran a forward); call convert_model right after "
                                    f"from_pretrained")
+        found.append((name, module, kind))
+    for name, module, kind in found:
+        for pname, param in list(module.named_parameters(recurse=False)):
             if isinstance(param, torch.distributed.tensor.DTensor):  # transformers' sequence_parallel replicates
                 module.register_parameter(pname, nn.Parameter(param.to_local(), requires_grad=param.requires_grad))
         module.__dict__.pop("forward", None)  # the style's per-instance wrapper
         # older transformers (5.17-5.2x) all-reduce these grads from a module backward hook instead: that
         # one goes, any other backward hook stays (conversion then refuses to drop it, naming it)
         remove_module_backward_hooks(module, installed_by=_is_transformers_hook)
-        taken[name] = kind
-    return taken
+    return {name: kind for name, _, kind in found}
 
 
 # ---- conversion ------------------------------------------------------------------------------------------
