@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -162,6 +163,14 @@ def _check(cond: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+def _check_directory(key: str, path: Path) -> None:
+    """`path` is a directory the job can write in, or one it can create (the job makes it, parents included)."""
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+    _check(existing.is_dir(), key, f"{path} is a file, not a directory: name a directory (created if missing)"
+           if existing == path else f"{path} cannot be created: {existing} is a file; name a directory")
+    _check(os.access(existing, os.W_OK | os.X_OK), key, f"{existing} is not writable: name a directory you can write")
+
+
 def validate(cfg: Config) -> None:
     """Value checks that do not depend on the world size."""
     for dotted, allowed in CHOICES.items():
@@ -196,6 +205,15 @@ def validate(cfg: Config) -> None:
     _check(p.engine != "deepspeed" or Path(p.deepspeed_config).is_file(),
            "parallel.deepspeed_config", f"{p.deepspeed_config} is not a file")
     _check(not d.path or Path(d.path).is_file(), "data.path", f"{d.path} is not a file")
+    # a window is seq_len + 1 tokens (the targets are the inputs one token on) at a random offset: the corpus needs more
+    window = d.seq_len + 1
+    if d.path:
+        size = Path(d.path).stat().st_size
+        _check(size > window, "data.path", f"{d.path} has {size} bytes, too few for windows of data.seq_len + 1 = "
+               f"{window} tokens: use a text of more than {window} bytes or lower data.seq_len")
+    else:
+        _check(d.corpus_bytes > window, "data.corpus_bytes", f"{d.corpus_bytes} bytes are too few for windows of "
+               f"data.seq_len + 1 = {window} tokens: set data.corpus_bytes above {window} or lower data.seq_len")
     for key, value in [("train.lr", t.lr), ("train.warmup_steps", t.warmup_steps),
                        ("train.weight_decay", t.weight_decay), ("train.adam_eps", t.adam_eps),
                        ("train.max_grad_norm", t.max_grad_norm), ("train.check_rtol", t.check_rtol),
@@ -207,6 +225,9 @@ def validate(cfg: Config) -> None:
     _check(m.norm_keep_output or t.norm == "shardnorm", "model.norm_keep_output",
            f"false needs train.norm = shardnorm (torch's norms keep their outputs), got train.norm = {t.norm}")
     c = cfg.checkpoint
+    for key, value in [("checkpoint.dir", c.dir), ("train.out_dir", str(cfg.out_dir))]:
+        if value:
+            _check_directory(key, Path(value))
     for key, value in [("checkpoint.every", c.every), ("checkpoint.keep_last", c.keep_last)]:
         _check(value >= 0, key, f"must not be negative, got {value}")
     _check(not c.every or c.dir, "checkpoint.dir",
@@ -270,7 +291,8 @@ def main() -> None:
     try:
         cfg, _ = parse_args()
     except ConfigError as e:
-        sys.exit(f"config error: {e}")
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)  # as the job's (parallel/train.py)
     for name in SECTIONS:
         print(f"[{name}]", *(f"{k} = {json.dumps(v)}" for k, v in vars(getattr(cfg, name)).items()),
               sep="\n", end="\n\n")

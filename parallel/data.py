@@ -35,7 +35,7 @@ def generate_corpus(n_bytes: int, seed: int) -> bytes:
             words.append(rng.choice(ENDINGS))
         return " ".join(words)
 
-    paragraphs, size = [], 0
+    paragraphs, size = [], -2  # the size joined: a separator before every paragraph but the first
     while size < n_bytes:
         sentences = []
         for _ in range(rng.randint(3, 7)):

@@ -134,6 +134,13 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     # the DeepSpeed engine never read train.compile, yet its summary said compile=True
     ("parallel.engine=deepspeed parallel.tp=1 train.compile=true",
      "train.compile: the DeepSpeed engine does not compile the model here"),
+    # these failed with a traceback once training had started (the sampler; the first save; the metrics files)
+    ("data.corpus_bytes=129", "data.corpus_bytes: 129 bytes are too few for windows of data.seq_len + 1 = 129 "
+     "tokens: set data.corpus_bytes above 129 or lower data.seq_len"),
+    ("checkpoint.dir=pyproject.toml", "checkpoint.dir: pyproject.toml is a file, not a directory: name a directory"),
+    ("checkpoint.dir=pyproject.toml/ck", "checkpoint.dir: pyproject.toml/ck cannot be created: pyproject.toml is a "
+     "file; name a directory"),
+    ("train.out_dir=pyproject.toml", "train.out_dir: pyproject.toml is a file, not a directory"),
 ])
 def test_config_errors_name_the_key(override, message):
     result = check_config(*override.split(), "--world-size", "2")
@@ -154,6 +161,32 @@ def test_launcher_rejects_bad_config_before_starting():
     assert result.returncode != 0
     assert "config error: parallel.dp × parallel.tp" in result.stderr
     assert "step" not in result.stdout
+
+
+@pytest.mark.parametrize("setting", ["data.corpus_bytes=100", "data.path", "checkpoint.dir", "train.out_dir"])
+def test_launcher_refuses_unusable_data_and_paths_before_starting(tmp_path, setting):
+    """A corpus too short for one window, a file where a directory goes: one line naming the setting and the fix,
+    before torchrun starts, instead of a traceback per rank once training has started."""
+    short, a_file = tmp_path / "short.txt", tmp_path / "a_file"
+    short.write_text("a few words")
+    a_file.write_text("")
+    override = {"data.path": f"data.path={json.dumps(str(short))}", "train.out_dir": "",
+                "checkpoint.dir": f"checkpoint.dir={json.dumps(str(a_file))}"}.get(setting, setting)
+    out_dir = a_file if setting == "train.out_dir" else tmp_path / "out"
+    result = launch("train.sh", TINY, *filter(None, [override]), "train.steps=2",
+                    f"train.out_dir={json.dumps(str(out_dir))}")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    key = setting.split("=")[0]
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(f"config error: {key}: "), result.stderr[-3000:]
+    assert "step" not in result.stdout
+
+
+def test_generated_corpus_has_the_bytes_asked_for():
+    """data.corpus_bytes is the corpus's length (the config check counts windows from it), whatever the size."""
+    from parallel.data import generate_corpus
+
+    assert [n for n in range(1, 400) for seed in (0, 1, 2) if len(generate_corpus(n, seed)) != n] == []
 
 
 @pytest.mark.parametrize("warmup_steps, steps", [(5, 40), (0, 10), (1, 3), (10, 60), (7, 7)])
