@@ -12,6 +12,8 @@
 # Runs under the repository's .venv (set up on first use) or PYTHON; see launch/python_env.sh.
 # The config is checked against the world size before any process starts. Ctrl-C or SIGTERM stops the job with
 # one line saying which checkpoint the same command resumes from.
+# Exit code: 0; 2 for a setting refused with one line (config error: …, checkpoint error: …); 1 for a failed --check
+# or a rank's error; 128 + N for a stop by signal N.
 set -euo pipefail
 for arg in "$@"; do
   if [[ "$arg" == -h || "$arg" == --help ]]; then  # the usage above, without setting anything up

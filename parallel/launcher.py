@@ -6,15 +6,29 @@ On SIGINT (Ctrl-C) or SIGTERM the ranks stop, and rank 0 of the main job says wh
 command again does (parallel/train.py). What a launcher would add to that line says nothing more: torchrun's own
 traceback when the signal reached it, or its ChildFailedError report for ranks that exited with the signal's code;
 the DeepSpeed runner's KeyboardInterrupt traceback. The exit code is 128 + the signal's number, as a shell reports
-a process the signal ended. Any other failure is reported by the launcher as usual.
+a process the signal ended.
+
+A rank that fails has said why (the job's one-line error, or a traceback): torchrun's own traceback and its
+ChildFailedError report add only which rank failed first, and how. Here that is one line, or nothing when the job's
+error says it all (a rank that exits with REPORTED); the exit code is the failed rank's (128 + a signal that ended it).
 """
 
+import logging
 import signal
 import sys
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # a rank's exit code after a stop: 128 + the signal (parallel/train.py), or minus the signal if it was killed by it
 STOPPED_CODES = {code for sig in STOP_SIGNALS for code in (128 + sig, -sig)}
+# a rank's exit code after rank 0 has printed the job's error for a setting (`config error: …`, `checkpoint error: …`)
+REPORTED = 2
+
+
+class _FailureLine(logging.Filter):
+    """Drops torchrun's `failed (exitcode: N) local_rank: …` log line: torchrun() reports the failure itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode:")
 
 
 def torchrun() -> None:
@@ -23,15 +37,22 @@ def torchrun() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailureLine())
     try:
         main()
     except SignalException as e:
         sys.exit(128 + int(e.sigval))
     except ChildFailedError as e:
         codes = [failure.exitcode for failure in e.failures.values()]
-        if not all(code in STOPPED_CODES for code in codes):
-            raise
-        sys.exit(128 + abs(codes[0]) % 128)
+        if all(code in STOPPED_CODES for code in codes):
+            sys.exit(128 + abs(codes[0]) % 128)
+        rank, first = e.get_first_failure()  # torchrun stopped the others after it
+        if first.exitcode == REPORTED:
+            sys.exit(REPORTED)
+        how = (f"was ended by {first.signal_name()}" if first.exitcode < 0 else
+               f"exited with code {first.exitcode} (its error is above)")
+        print(f"{e.name} failed: rank {rank} {how}", file=sys.stderr)
+        sys.exit(first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode))
 
 
 def deepspeed() -> None:

@@ -31,6 +31,7 @@ from parallel.collectives import profiled_collectives
 from parallel.config import Config, ConfigError, parse_args
 from parallel.data import BatchSampler, load_tokens
 from parallel.engines import DeepSpeedEngine, TorchEngine
+from parallel.launcher import REPORTED
 from parallel.metrics import MetricsLogger, logger, setup_logging
 from parallel.model import build_model
 from parallel.parallelize import parallelize, uses_norm_reducer
@@ -156,7 +157,7 @@ def main() -> None:
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(REPORTED)  # the launcher adds nothing to the error
     metrics = None
     try:
         stop.arm()
@@ -172,7 +173,7 @@ def main() -> None:
         shutdown(wait_for_peers=False)
         if runtime.is_main:
             print(f"checkpoint error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(REPORTED)  # the launcher adds nothing to the error
     except BaseException as error:
         try:
             shutdown(wait_for_peers=False)  # the launcher stops the other ranks

@@ -189,6 +189,31 @@ def test_generated_corpus_has_the_bytes_asked_for():
     assert [n for n in range(1, 400) for seed in (0, 1, 2) if len(generate_corpus(n, seed)) != n] == []
 
 
+@pytest.mark.parametrize("rank_does, code, line", [
+    ("print('config error: model.dim: …', file=sys.stderr) if rank == 0 else None; sys.exit(2)", 2, None),
+    ("raise ValueError(f'rank {rank} breaks') if rank == 1 else time.sleep(60)", 1,
+     "script.py failed: rank 1 exited with code 1 (its error is above)"),
+    ("os.kill(os.getpid(), signal.SIGKILL) if rank == 1 else time.sleep(60)", 128 + 9,
+     "script.py failed: rank 1 was ended by SIGKILL"),
+])
+def test_launcher_reports_a_failed_rank_in_one_line(tmp_path, rank_does, code, line):
+    """The job's own error (exit code 2) comes alone; any other failure gets one line naming the rank, not torchrun's
+    traceback and ChildFailedError report; the exit code is the rank's."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import os, signal, sys, time\nrank = int(os.environ['RANK'])\n{rank_does}\n")
+    result = subprocess.run([sys.executable, "-m", "parallel.launcher", "torchrun", "--standalone",
+                             "--nproc-per-node", "2", str(script)], cwd=ROOT, text=True, capture_output=True,
+                            timeout=HUNG_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == code, output[-3000:]
+    assert "ChildFailedError" not in output and "launch_agent" not in output, output[-3000:]
+    assert "failed (exitcode" not in output, output[-3000:]
+    if line is None:
+        assert result.stderr.count("config error") == 1 and " failed: " not in output, output[-3000:]
+    else:
+        assert result.stderr.count(line) == 1, output[-3000:]
+
+
 @pytest.mark.parametrize("warmup_steps, steps", [(5, 40), (0, 10), (1, 3), (10, 60), (7, 7)])
 def test_lr_schedule_is_warmup_then_cosine_to_a_tenth(warmup_steps, steps):
     """torch's LinearLR + CosineAnnealingLR give the schedule's closed form at every step."""
