@@ -26,11 +26,13 @@ import torch.distributed as dist
 from parallel import checkpoint_store as store
 from parallel.checkpoint_store import CheckpointError
 from parallel.config import Config
+from parallel.engines import retarget_schedule
 from parallel.metrics import logger
 from parallel.runtime import Runtime
 
 # settings a resumed run must share with the saved one, or its batches differ from the saved run's
 DATA_KEYS = {"seed": "train.seed", "seq_len": "data.seq_len", "grad_accum": "train.grad_accum"}
+# settings of the LR schedule: with values other than the saved ones, a resumed run follows its own (resume())
 SCHEDULE_KEYS = {"steps": "train.steps", "lr": "train.lr", "warmup_steps": "train.warmup_steps"}
 
 
@@ -159,10 +161,6 @@ class Checkpointer:
             if saved[key] != now[key]:
                 raise CheckpointError(f"{name}: {path} was trained with {saved[key]}, this run "
                                       f"has {now[key]}; the data would not continue where it stopped")
-        for key, name in SCHEDULE_KEYS.items():
-            if saved[key] != now[key] and self.runtime.is_main:
-                logger.warning("%s: %s was saved with %s, this run has %s; the LR schedule "
-                               "continues as saved", name, path, saved[key], now[key])
 
     def resume(self, engine, sampler) -> int:
         """Restore the latest (or the named) checkpoint into `engine` and `sampler`; its step, or 0."""
@@ -172,9 +170,25 @@ class Checkpointer:
         start = time.perf_counter()
         saved = store.read_marker(path)
         self._check_compatible(path, saved)
+        changed = [f"{name} = {saved[key]} there, {self.info[key]} here" for key, name in SCHEDULE_KEYS.items()
+                   if saved[key] != self.info[key]]
+        to_train = saved["step"] < self.cfg.train.steps
+        if changed and to_train and self.cfg.train.check:  # its reference trains every step on this run's schedule
+            raise CheckpointError(f"train.check: {path} differs from this run in {'; '.join(changed)}, and --check "
+                                  "compares with a run that has this run's LR schedule from step 1: drop "
+                                  "--check, or check a run started with these settings (a new checkpoint.dir)")
         engine.load_checkpoint(path)
         state = torch.load(path / "train_state.pt", weights_only=False)
-        engine.scheduler.load_state_dict(state["scheduler"])
+        if not changed:
+            engine.scheduler.load_state_dict(state["scheduler"])
+        elif to_train:
+            # The saved schedule ends at its own train.steps (a cosine past its end rises again): the steps from
+            # here on follow this run's schedule, as in a run started with its settings.
+            retarget_schedule(engine.scheduler, self.cfg.train, saved["step"])
+            if self.runtime.is_main:
+                logger.warning("%s: %s; the LR schedule is this run's: step %d runs at lr %.2e (%.2e on the "
+                               "saved schedule), as in a run started with these settings", path, "; ".join(changed),
+                               saved["step"] + 1, engine.lr, state["scheduler"]["_last_lr"][0])
         sampler.load_state_dict(state["sampler"])
         rng_file = path / "rng" / f"rank{self.runtime.rank}.pt"
         if rng_file.exists():

@@ -29,15 +29,39 @@ def build_optimizer(model: nn.Module, train: TrainConfig):
     LinearLR then CosineAnnealingLR: step k of the warm-up runs at lr * (k + 1) / (warmup + 1))."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.95), eps=train.adam_eps,
                                   weight_decay=train.weight_decay)
+    return optimizer, build_scheduler(optimizer, train)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig):
+    """`build_optimizer`'s schedule, for `train.steps` steps."""
     schedulers = torch.optim.lr_scheduler
     cosine = schedulers.CosineAnnealingLR(optimizer, T_max=max(1, train.steps - train.warmup_steps),
                                           eta_min=0.1 * train.lr)
     if not train.warmup_steps:
-        return optimizer, cosine
+        return cosine
     warmup = schedulers.LinearLR(optimizer, start_factor=1 / (train.warmup_steps + 1),
                                  end_factor=1.0, total_iters=train.warmup_steps)
-    return optimizer, schedulers.SequentialLR(optimizer, [warmup, cosine],
-                                              milestones=[train.warmup_steps])
+    return schedulers.SequentialLR(optimizer, [warmup, cosine], milestones=[train.warmup_steps])
+
+
+def schedule_at(train: TrainConfig, done: int, groups: int = 1) -> dict:
+    """The state of this run's schedule (`train.steps`, `lr`, `warmup_steps`) after `done` steps: what a run started
+    with these settings has then. Stepped on an optimizer of its own: the schedule depends on the settings alone."""
+    optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
+                                lr=train.lr)
+    scheduler = build_scheduler(optimizer, train)
+    optimizer.step()  # no grads, no update: the scheduler only checks that it comes first
+    for _ in range(done):
+        scheduler.step()
+    return scheduler.state_dict()
+
+
+def retarget_schedule(scheduler, train: TrainConfig, done: int) -> None:
+    """Put `scheduler` (built from `train`) and its optimizer where this run's schedule is after `done` steps, in
+    place of a checkpoint's schedule saved with other settings."""
+    scheduler.load_state_dict(schedule_at(train, done, len(scheduler.optimizer.param_groups)))
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"], group["initial_lr"] = lr, train.lr
 
 
 class HostPhases:
@@ -178,7 +202,9 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(path), tag=self.TAG, save_latest=False)
 
     def load_checkpoint(self, path: Path) -> None:
+        """The LR scheduler is left to the caller (train_state.pt): a run with other schedule settings replaces it,
+        and a schedule of another shape (with or without warm-up) would not load."""
         loaded, _ = self.engine.load_checkpoint(str(path), tag=self.TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+                                                load_lr_scheduler_states=False)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {path}/{self.TAG}")

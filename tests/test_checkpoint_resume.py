@@ -235,6 +235,36 @@ def test_resume_into_another_model_names_the_setting(reference, tmp_path, launch
     assert "failed (exitcode" not in result.stderr, result.stderr[-3000:]
 
 
+def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(reference, tmp_path):
+    """The 8-step run's last checkpoint resumed with train.steps=12: steps 9 to 12 run at the LR of a run started with
+    12 steps, falling towards 10% of the peak at its end, not on the 8-step cosine continued past its end, which climbs
+    back towards the peak. --check is refused then: its reference runs every step on the 12-step schedule."""
+    from parallel.config import load
+    from parallel.engines import build_optimizer
+
+    copy_checkpoint(reference[0], STEPS, tmp_path)
+    args = job_args(tmp_path, "train.steps=12")
+    result = run(["bash", "launch/train.sh", *args])
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(lrs) == [9, 10, 11, 12]
+    cfg = load(ROOT / TINY, args[1:])
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), cfg.train)  # a run started with 12 steps
+    expected = {}
+    for step in range(1, 13):
+        expected[step] = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+    assert lrs == {step: expected[step] for step in lrs}
+    assert lrs[12] < lrs[9] and lrs[12] < 0.15 * cfg.train.lr
+    assert f"train.steps = {STEPS} there, 12 here; the LR schedule is this run's: step 9 runs at lr" in result.stdout
+
+    load = json.dumps(str(store.step_dir(reference[0] / "ck", STEPS)))  # the copy is pruned: 10 and 12 are kept
+    checked = subprocess.run(["bash", "launch/train.sh", *args, f"checkpoint.load={load}", "--check"], cwd=ROOT,
+                             env=env(), text=True, capture_output=True, timeout=HUNG_S)
+    assert checked.returncode == 2, checked.stderr[-3000:]
+    assert "checkpoint error: train.check: " in checked.stderr and "train.steps = 8 there, 12 here" in checked.stderr
+
+
 def corrupt(path: Path, how: str) -> None:
     if how == "no_marker":
         (path / store.MARKER).unlink()

@@ -214,6 +214,34 @@ def test_launcher_reports_a_failed_rank_in_one_line(tmp_path, rank_does, code, l
         assert result.stderr.count(line) == 1, output[-3000:]
 
 
+def test_retargeted_schedule_is_a_new_run_s():
+    """A run of 8 steps extended to 14: from step 9 on, the LR of a run started with 14 steps (bitwise), not the
+    8-step cosine continued past its end, which climbs back to the peak."""
+    from parallel.engines import build_optimizer, retarget_schedule
+
+    old, new = TrainConfig(steps=8, warmup_steps=2), TrainConfig(steps=14, warmup_steps=2)
+    model = torch.nn.Linear(3, 5)
+    optimizer, scheduler = build_optimizer(model, old)
+    fresh_optimizer, fresh = build_optimizer(torch.nn.Linear(3, 5), new)
+    for _ in range(8):
+        for o, s in ((optimizer, scheduler), (fresh_optimizer, fresh)):
+            o.step()
+            s.step()
+    saved = optimizer.state_dict()  # its param group's lr is the old schedule's
+    optimizer, scheduler = build_optimizer(model, new)  # the resumed run's, from its settings
+    optimizer.load_state_dict(saved)
+    retarget_schedule(scheduler, new, 8)
+    lrs = []
+    for _ in range(9, 15):
+        assert scheduler.get_last_lr() == fresh.get_last_lr()
+        assert optimizer.param_groups[0]["lr"] == fresh_optimizer.param_groups[0]["lr"]
+        lrs.append(scheduler.get_last_lr()[0])
+        for o, s in ((optimizer, scheduler), (fresh_optimizer, fresh)):
+            o.step()
+            s.step()
+    assert lrs == sorted(lrs, reverse=True), lrs
+
+
 @pytest.mark.parametrize("warmup_steps, steps", [(5, 40), (0, 10), (1, 3), (10, 60), (7, 7)])
 def test_lr_schedule_is_warmup_then_cosine_to_a_tenth(warmup_steps, steps):
     """torch's LinearLR + CosineAnnealingLR give the schedule's closed form at every step."""
