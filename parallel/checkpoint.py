@@ -170,10 +170,16 @@ class Checkpointer:
         start = time.perf_counter()
         saved = store.read_marker(path)
         self._check_compatible(path, saved)
+        if saved["step"] >= self.cfg.train.steps:  # nothing to load either: parallel/train.py runs no step
+            if self.runtime.is_main:
+                logger.warning("nothing to train: %s is at step %d and train.steps = %d; set train.steps above %d "
+                               "to train on%s", path, saved["step"], self.cfg.train.steps, saved["step"],
+                               " (and nothing to check: --check compares the steps a run trains)"
+                               if self.cfg.train.check else "")
+            return saved["step"]
         changed = [f"{name} = {saved[key]} there, {self.info[key]} here" for key, name in SCHEDULE_KEYS.items()
                    if saved[key] != self.info[key]]
-        to_train = saved["step"] < self.cfg.train.steps
-        if changed and to_train and self.cfg.train.check:  # its reference trains every step on this run's schedule
+        if changed and self.cfg.train.check:  # its reference trains every step on this run's schedule
             raise CheckpointError(f"train.check: {path} differs from this run in {'; '.join(changed)}, and --check "
                                   "compares with a run that has this run's LR schedule from step 1: drop "
                                   "--check, or check a run started with these settings (a new checkpoint.dir)")
@@ -181,7 +187,7 @@ class Checkpointer:
         state = torch.load(path / "train_state.pt", weights_only=False)
         if not changed:
             engine.scheduler.load_state_dict(state["scheduler"])
-        elif to_train:
+        else:
             # The saved schedule ends at its own train.steps (a cosine past its end rises again): the steps from
             # here on follow this run's schedule, as in a run started with its settings.
             retarget_schedule(engine.scheduler, self.cfg.train, saved["step"])

@@ -69,7 +69,11 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
     phase = CollectivePhase(cfg.parallel.timeout_s, runtime.rank)
     with phase("resuming from a checkpoint"):
         first_step = checkpointer.resume(engine, sampler) + 1
-    if cfg.train.compile and runtime.is_main and first_step <= cfg.train.steps:
+    if first_step > cfg.train.steps:  # nothing left to train (resume() has said so)
+        # out_dir's metrics.jsonl may be another run's: no summary, plot or --check reports on it (metrics.start,
+        # which reads it, does not run, and main() reports only on the records read or logged)
+        return {}
+    if cfg.train.compile and runtime.is_main:
         # else the first step is silent for as long as it compiles
         logger.info("torch.compile: step %d compiles the blocks first (tiny_cpu on 2 CPU cores: 0.5 to 2 min; "
                     "longer for larger models), the steps after it run compiled", first_step)

@@ -265,6 +265,23 @@ def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(referenc
     assert "checkpoint error: train.check: " in checked.stderr and "train.steps = 8 there, 12 here" in checked.stderr
 
 
+def test_nothing_left_to_train_reports_nothing(reference, tmp_path):
+    """The same command after the run finished, with --check: nothing to train, nothing to check, said so in one
+    line; no summary or check from the records metrics.jsonl holds (here another run's), and exit code 0."""
+    copy_checkpoint(reference[0], STEPS, tmp_path)
+    (tmp_path / "out").mkdir()
+    stale = "".join(json.dumps({"step": step, "loss": 9.0, "lr": 1e-3, "tokens": 1, "tokens_per_s": 1.0,
+                                "step_time_s": 1.0, "peak_mem_gib": 0.1}) + "\n" for step in range(1, STEPS + 1))
+    (tmp_path / "out" / "metrics.jsonl").write_text(stale)
+    result = run(["bash", "launch/train.sh", *job_args(tmp_path), "--check"])
+    assert (f"nothing to train: {store.step_dir(tmp_path / 'ck', STEPS)} is at step {STEPS} and train.steps = "
+            f"{STEPS}; set train.steps above {STEPS} to train on (and nothing to check: --check compares the steps a "
+            "run trains)" in result.stdout), result.stdout[-3000:]
+    assert "max relative loss difference" not in result.stdout and "summary:" not in result.stdout
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == stale
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
 def corrupt(path: Path, how: str) -> None:
     if how == "no_marker":
         (path / store.MARKER).unlink()
