@@ -144,7 +144,8 @@ class Checkpointer:
                                   "do not reshard; resume on the same number of processes")
         changed = {k: (v, now["model"][k]) for k, v in saved.get("model", now["model"]).items()
                    if now["model"].get(k) != v and k != "norm_keep_output"}  # that one is memory, not the model
-        if changed:  # loading would fail inside DCP (other shapes) or, for settings without weights, train another model
+        # loading would fail inside DCP (other shapes) or, for settings without weights, train another model
+        if changed:
             raise CheckpointError(f"{path} holds another model: " + ", ".join(
                 f"model.{k} = {old} there, {new} here" for k, (old, new) in changed.items()) +
                 "; set them as saved to continue it")

@@ -20,7 +20,8 @@ import sys
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # a rank's exit code after a stop: 128 + the signal (parallel/train.py), or minus the signal if it was killed by it
 STOPPED_CODES = {code for sig in STOP_SIGNALS for code in (128 + sig, -sig)}
-# a rank's exit code after rank 0 has printed the job's error for a setting (`config error: …`, `checkpoint error: …`)
+# a rank's exit code after rank 0 has printed the job's error for a setting
+# (`config error: …`, `checkpoint error: …`)
 REPORTED = 2
 
 
