@@ -134,7 +134,8 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     # the DeepSpeed engine never read train.compile, yet its summary said compile=True
     ("parallel.engine=deepspeed parallel.tp=1 train.compile=true",
      "train.compile: the DeepSpeed engine does not compile the model here"),
-    # these failed with a traceback once training had started (the sampler; the first save; the metrics files)
+    # refused before any process starts: unchecked, each ends in a traceback once training has started (the sampler;
+    # the first save; the metrics files)
     ("data.corpus_bytes=129", "data.corpus_bytes: 129 bytes are too few for windows of data.seq_len + 1 = 129 "
      "tokens: set data.corpus_bytes above 129 or lower data.seq_len"),
     ("checkpoint.dir=pyproject.toml", "checkpoint.dir: pyproject.toml is a file, not a directory: name a directory"),
