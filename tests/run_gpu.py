@@ -9,8 +9,9 @@ on a GPU host, mostly waiting, so one pytest process at a time does not finish t
 
 Test ids are dealt round-robin to the shards. Each shard's `-v` log goes to DIR/logs/; DIR/gpu_tests.md gets
 each shard's outcome as it finishes (passed / failed / skipped / not run, counted from the log, so a shard
-stopped at the limit still reports what ran) and every failing test's id; DIR/failures.txt the failing shards'
-tracebacks. Exit status 1 if any test failed or did not run.
+stopped at the limit still reports what ran) and every failing test's id, a file that failed to collect as
+`path (collection)`; DIR/failures.txt the failing shards' tracebacks and the collection's errors. Exit status 1 if
+any test failed or did not run, or a file did not collect.
 """
 
 import argparse
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MULTI_RANK = "distributed or deepspeed"
 # `-v` lines: "tests/test_x.py::test_y[param, maybe with spaces] PASSED [ 10%]"
 OUTCOME = re.compile(r"^(tests/\S+?::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", re.M)
+# `--collect-only -q` summary lines of the files that failed to import: their tests are in no id list
+COLLECTION_ERROR = re.compile(r"^ERROR (\S+)", re.M)
 
 
 def outcomes(log: str) -> dict:
@@ -33,13 +36,17 @@ def outcomes(log: str) -> dict:
     return dict(OUTCOME.findall(log))
 
 
-def collect(marker: str, paths: list) -> list:
+def collect(marker: str, paths: list) -> tuple:
+    """(test ids, files that failed to collect, the collection's output). A file that fails to import (an optional
+    package that imports but does not run on this stack) has no ids to deal out: it is reported as failing, not
+    left out of the counts."""
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                           "-m", marker, *paths], cwd=ROOT, capture_output=True, text=True)
     ids = [line for line in out.stdout.splitlines() if "::" in line]
-    if not ids:
+    errors = COLLECTION_ERROR.findall(out.stdout)
+    if not ids and not errors:
         raise SystemExit(f"collected no tests for -m {marker!r}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return ids
+    return ids, errors, out.stdout + out.stderr
 
 
 def main() -> int:
@@ -63,12 +70,15 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT),
                                                       env.get("PYTHONPATH")]))
     shards = []  # (name, ids, env)
+    collection_errors = []
     if args.select in ("all", "multi-rank"):
-        ids = collect(MULTI_RANK, args.paths)
+        ids, errors, output = collect(MULTI_RANK, args.paths)
+        collection_errors += _report_collection_errors(args.out, errors, output)
         n = min(args.multi_rank_shards, len(ids))
         shards += [(f"multi_rank_{i}", ids[i::n], {**env, "SHARDNORM_TEST_DEVICE": "cuda"}) for i in range(n)]
     if args.select in ("all", "single"):
-        ids = collect(f"not ({MULTI_RANK})", args.paths)
+        ids, errors, output = collect(f"not ({MULTI_RANK})", args.paths)
+        collection_errors += _report_collection_errors(args.out, errors, output)
         n = min(args.single_shards, len(ids))
         shards += [(f"single_{i}", ids[i::n], {**env, "CUDA_VISIBLE_DEVICES": str(i % gpus)}) for i in range(n)]
     with report.open("w") as f:
@@ -83,7 +93,7 @@ def main() -> int:
         running[name] = (subprocess.Popen(cmd, cwd=ROOT, env=shard_env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True), ids, log)
     totals = dict(tests=0, passed=0, failed=0, skipped=0, not_run=0)
-    failing = []
+    failing = [f"{path} (collection)" for path in dict.fromkeys(collection_errors)]
     while running:
         time.sleep(2)
         over = time.monotonic() - start > args.limit_s
@@ -120,6 +130,13 @@ def main() -> int:
         f.write("Failed: " + (", ".join(f"`{i}`" for i in failing) if failing else "none") + "\n")
     print(report.read_text())
     return 1 if failing or totals["not_run"] else 0
+
+
+def _report_collection_errors(out: Path, errors: list, output: str) -> list:
+    if errors:
+        with (out / "failures.txt").open("a") as f:
+            f.write(f"==== collection errors: {', '.join(errors)} ====\n{output[-30000:]}\n")
+    return errors
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import docs_prelude
+import optional_packages
 from spawn_ranks import DEVICE, spawn
 
 OPTIONAL_PACKAGES = ("torchtitan", "lightning", "deepspeed", "liger_kernel")
@@ -130,7 +131,7 @@ def test_docs_example_runs(name, marker, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for package in OPTIONAL_PACKAGES:  # the GPU image lacks some of the extras the CPU environment pins
         if re.search(rf"^\s*(from|import) {package}\b", code, re.M):
-            pytest.importorskip(package)
+            optional_packages.importorskip(package)
     if marker.startswith("ranks="):
         if torch.cuda.is_available():  # the libraries in the examples (Lightning, HF tp_plan) would take the GPUs
             pytest.skip("the prelude's placeholders are CPU objects (cuda_as_cpu): the ranked examples run on gloo "

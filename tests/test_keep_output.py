@@ -15,6 +15,8 @@ import shardnorm
 from shardnorm import _torch_compat, output_checks, output_recompute
 from shardnorm.output_recompute import KeepOutputError
 
+import optional_packages
+
 H = 32
 
 
@@ -817,7 +819,7 @@ def test_deepspeed_section_key():
 
 
 def test_torchtitan_converter_passes_the_option():
-    pytest.importorskip("torchtitan")
+    optional_packages.importorskip("torchtitan")
     from torchtitan.models.common import RMSNorm as TitanRMSNorm
     from torchtitan.models.llama3 import model_registry
 

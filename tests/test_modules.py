@@ -277,21 +277,25 @@ def test_compiled_autograd_over_an_eager_forward_has_no_graph_break(backend, dev
         assert rel_err(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="torch's CUDA rms_norm is another kernel, with its own default"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_default_eps_is_torchs(dtype):
+def test_default_eps_is_torchs(dtype, device):
     """eps=None is torch's rms_norm default for every dtype: the float32 epsilon it computes with (ATen's opmath type),
     not the input dtype's (bf16's 7.8e-3 made rows of small values come out up to 99 % smaller), in the function, the
-    module and a converted `torch.nn.RMSNorm`. Rows small enough that eps matters."""
+    module and a converted `torch.nn.RMSNorm`, and torch's own call in the input's dtype on that device agrees. Rows
+    small enough that eps matters."""
     seed = torch.seed()
     print(f"seed {seed}")
-    x = (torch.randn(6, 64) * torch.tensor([1, 1e-1, 1e-2, 1e-3, 3e-4, 1e-4])[:, None]).to(dtype)
-    w = (1 + 0.2 * torch.randn(64)).to(dtype)
+    x = (torch.randn(6, 64) * torch.tensor([1, 1e-1, 1e-2, 1e-3, 3e-4, 1e-4])[:, None]).to(dtype).to(device)
+    w = (1 + 0.2 * torch.randn(64)).to(dtype).to(device)
     want = torch.nn.functional.rms_norm(x.double(), (64,), w.double(), eps=torch.finfo(torch.float32).eps)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert torch.nn.functional.rms_norm(x.double(), (64,), w.double()).sub(want).abs().max() > 0.01  # eps matters
+    assert rel_err(torch.nn.functional.rms_norm(x, (64,), w), want) < tol
     assert rel_err(shardnorm.rms_norm(x, (64,), w), want) < tol
-    norm = shardnorm.RMSNorm(64, dtype=dtype)
-    torch_norm = torch.nn.Sequential(torch.nn.RMSNorm(64, dtype=dtype))
+    norm = shardnorm.RMSNorm(64, dtype=dtype, device=device)
+    torch_norm = torch.nn.Sequential(torch.nn.RMSNorm(64, dtype=dtype, device=device))
     with torch.no_grad():
         norm.weight.copy_(w)
         torch_norm[0].weight.copy_(w)

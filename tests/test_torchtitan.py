@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("torchtitan")
+import optional_packages
+
+optional_packages.importorskip("torchtitan")
 
 from torchtitan.models.common import RMSNorm as TitanRMSNorm  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
