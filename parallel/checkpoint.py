@@ -108,6 +108,8 @@ class Checkpointer:
         self.cfg, self.runtime, self.dp, self.tp = cfg, runtime, dp, tp
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
         self.saved_step = 0
+        # rank 0: the metrics records of the steps up to the checkpoint resumed from (None: it holds none)
+        self.records: list[dict] | None = None
         self.info = {"engine": cfg.parallel.engine, "world_size": runtime.world_size, "dp": dp,
                      "tp": tp, "global_rows": cfg.data.batch_size * dp, "config": cfg.name,
                      "dtype": cfg.train.dtype, "norm": cfg.train.norm, "model": dataclasses.asdict(cfg.model),
@@ -205,21 +207,33 @@ class Checkpointer:
                         path, saved["world_size"])
         self.saved_step = saved["step"]
         if self.runtime.is_main:
+            self.records = self._saved_records(path, saved["step"])
             logger.info("resumed from step %d (%s, saved at dp=%d × tp=%d; loaded in %.2f s)",
                         saved["step"], path, saved["dp"], saved["tp"], time.perf_counter() - start)
         return saved["step"]
 
+    def _saved_records(self, path: Path, step: int) -> list[dict]:
+        """The records of steps 1 to `step` that the checkpoint holds. train.out_dir's metrics.jsonl is no source
+        for them: another run may have written it since (the same out_dir, another checkpoint.dir)."""
+        records = store.read_records(path)
+        if records is None:
+            logger.warning("%s holds no metrics records of its steps: metrics.jsonl, the summary and --check cover "
+                           "steps %d to %d only", path, step + 1, self.cfg.train.steps)
+            return []
+        return [r for r in records if r["step"] <= step]
+
     # ---- save --------------------------------------------------------------------------------------
 
-    def after_step(self, step: int, engine, sampler) -> None:
-        """Save if `step` is due: every `checkpoint.every` steps, and the last step with at_end."""
+    def after_step(self, step: int, engine, sampler, records: list[dict]) -> None:
+        """Save if `step` is due: every `checkpoint.every` steps, and the last step with at_end. `records`: rank 0's
+        metrics records up to `step`."""
         c = self.cfg.checkpoint
         due = c.every and step % c.every == 0
         last = step == self.cfg.train.steps and c.at_end
         if self.root is not None and (due or last) and step != self.saved_step:
-            self.save(step, engine, sampler)
+            self.save(step, engine, sampler, records)
 
-    def save(self, step: int, engine, sampler) -> None:
+    def save(self, step: int, engine, sampler, records: list[dict]) -> None:
         """Collective: every rank writes its part into the temporary dir, then rank 0 seals it."""
         start = time.perf_counter()
         tmp, final = store.temp_dir(self.root, step), store.step_dir(self.root, step)
@@ -234,6 +248,7 @@ class Checkpointer:
         if self.runtime.is_main:
             _save_synced({"step": step, "scheduler": engine.scheduler.state_dict(),
                           "sampler": sampler.state_dict()}, tmp / "train_state.pt")
+            store.write_records(tmp, records)
         _barrier()  # every rank's files are written
         if self.runtime.is_main:
             store.write_marker(tmp, {"step": step, **self.info})

@@ -4,6 +4,7 @@ No torch here (the config check uses it before any process starts). Layout of `c
 
     step-00000040/            a complete checkpoint: renamed from its temporary name once written
         complete.json         written last: step, layout, and every file's size
+        metrics.jsonl         rank 0's records of the steps up to this one (the run's own, whatever train.out_dir holds)
         ...                   the engine's files (DCP shards, or DeepSpeed's), train_state.pt, rng/
     .tmp-step-00000050/       being written (or torn: the job stopped while writing it)
 
@@ -17,6 +18,7 @@ import re
 from pathlib import Path
 
 MARKER = "complete.json"
+RECORDS = "metrics.jsonl"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -68,6 +70,23 @@ def read_marker(path: str | Path) -> dict:
     if not isinstance(info.get("step"), int):
         raise CheckpointError(f"{path}/{MARKER} names no step")
     return info
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """The metrics records of the steps a checkpoint holds, so a resumed run reports on its own steps."""
+    with open(path / RECORDS, "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: Path) -> list[dict] | None:
+    """The records `write_records` left in the checkpoint `path`; None for a checkpoint without them."""
+    try:
+        text = (path / RECORDS).read_text()
+    except FileNotFoundError:
+        return None
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def candidates(root: str | Path) -> list[tuple[int, Path]]:

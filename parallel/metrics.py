@@ -54,15 +54,13 @@ class MetricsLogger:
 
             self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"))
 
-    def start(self, first_step: int) -> None:
-        """Open metrics.jsonl at `first_step`; a resumed run keeps the records of the steps before."""
+    def start(self, first_step: int, saved: list[dict] | None = None) -> None:
+        """Write metrics.jsonl from `first_step` on, after `saved`: a resumed run's records of the steps before,
+        from its checkpoint."""
         if not self.enabled:
             return
-        path = self.out_dir / "metrics.jsonl"
-        if first_step > 1 and path.exists():
-            kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            self.records = [r for r in kept if r["step"] < first_step]
-        self.file = path.open("w")
+        self.records = list(saved or [])
+        self.file = (self.out_dir / "metrics.jsonl").open("w")
         for record in self.records:
             self.file.write(json.dumps(record) + "\n")
         self.file.flush()

@@ -70,14 +70,14 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
     with phase("resuming from a checkpoint"):
         first_step = checkpointer.resume(engine, sampler) + 1
     if first_step > cfg.train.steps:  # nothing left to train (resume() has said so)
-        # out_dir's metrics.jsonl may be another run's: no summary, plot or --check reports on it (metrics.start,
-        # which reads it, does not run, and main() reports only on the records read or logged)
+        # nothing to report either: out_dir's files stay as they are (metrics.start, which rewrites metrics.jsonl,
+        # does not run, and main() reports only when there are records)
         return {}
     if cfg.train.compile and runtime.is_main:
         # else the first step is silent for as long as it compiles
         logger.info("torch.compile: step %d compiles the blocks first (tiny_cpu on 2 CPU cores: 0.5 to 2 min; "
                     "longer for larger models), the steps after it run compiled", first_step)
-    metrics.start(first_step)
+    metrics.start(first_step, checkpointer.records)
     tokens_per_step = dp * cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum
     for step in range(first_step, cfg.train.steps + 1):
         micro_batches = sampler.next_step(runtime.device)
@@ -103,7 +103,7 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
                           "peak_mem_gib": runtime.peak_memory_gib(),
                           **({"profiled": True} if profiled else {})})
         with phase(f"step {step}: saving a checkpoint"):
-            checkpointer.after_step(step, engine, sampler)
+            checkpointer.after_step(step, engine, sampler, metrics.records)
     return collectives
 
 

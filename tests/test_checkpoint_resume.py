@@ -200,9 +200,10 @@ def test_resume_on_another_layout(reference, tmp_path, layout):
         assert all(abs(logged[s] - ref[s]) <= 1e-5 * abs(ref[s]) for s in logged)
     assert "resumed from step 6" in result.stdout and "saved at dp=1 × tp=2" in result.stdout
     resumed = losses(tmp_path)
-    assert sorted(resumed) == [7, 8]
-    for step, loss in resumed.items():
-        assert abs(loss - ref[step]) <= 1e-5 * abs(ref[step]), (step, loss, ref[step])
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert all(resumed[step] == ref[step] for step in range(1, 7))  # the checkpoint's records of its steps
+    for step in (7, 8):
+        assert abs(resumed[step] - ref[step]) <= 1e-5 * abs(ref[step]), (step, resumed[step], ref[step])
 
 
 def test_resume_with_another_global_batch_names_the_setting(reference, tmp_path):
@@ -245,7 +246,8 @@ def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(referenc
     copy_checkpoint(reference[0], STEPS, tmp_path)
     args = job_args(tmp_path, "train.steps=12")
     result = run(["bash", "launch/train.sh", *args])
-    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines())}
+    records = map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines())
+    lrs = {r["step"]: r["lr"] for r in records if r["step"] > STEPS}  # steps 1 to 8: the checkpoint's records
     assert sorted(lrs) == [9, 10, 11, 12]
     cfg = load(ROOT / TINY, args[1:])
     optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), cfg.train)  # a run started with 12 steps
@@ -280,6 +282,20 @@ def test_nothing_left_to_train_reports_nothing(reference, tmp_path):
     assert "max relative loss difference" not in result.stdout and "summary:" not in result.stdout
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == stale
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_resume_reports_on_the_checkpoint_s_steps_not_out_dir_s(reference, tmp_path):
+    """A resume with --check into a train.out_dir whose metrics.jsonl is another run's: the steps before the checkpoint
+    are those of the run that saved it (the checkpoint holds their records), so --check compares this run's losses
+    and passes, and metrics.jsonl holds the saved run's steps, then this run's."""
+    copy_checkpoint(reference[0], 6, tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "loss": 9.0, "lr": 1e-3, "tokens": 1, "tokens_per_s": 1.0, "step_time_s": 1.0,
+                    "peak_mem_gib": 0.1}) + "\n" for step in range(1, STEPS + 1)))
+    result = run(["bash", "launch/train.sh", *job_args(tmp_path), "--check"])
+    assert f"over {STEPS} steps" in result.stdout and "PASSED" in result.stdout, result.stdout[-3000:]
+    assert losses(tmp_path) == reference[1]  # bitwise: the saved steps' records, then the same layout's steps
 
 
 def corrupt(path: Path, how: str) -> None:
@@ -368,8 +384,7 @@ def test_deepspeed_resumes_from_its_own_checkpoint(tmp_path):
     result = run(["bash", "launch/deepspeed.sh", *job_args(second, *args)])
     assert "resumed from step 3" in result.stdout
     ref, resumed = losses(first), losses(second)
-    assert sorted(resumed) == [4, 5, 6]
-    assert all(resumed[step] == ref[step] for step in resumed), (resumed, ref)
+    assert resumed == ref  # steps 1 to 3 from the checkpoint's records, 4 to 6 trained again
 
 
 def test_pruning_keeps_the_run_s_own_checkpoints(tmp_path):
@@ -399,3 +414,20 @@ def test_pruning_keeps_the_run_s_own_checkpoints(tmp_path):
     saved(2, 4, 6)
     Checkpointer._prune(checkpointer, 6)
     assert [s for s, _ in store.candidates(tmp_path)] == [6, 4]
+
+
+def test_records_come_from_the_checkpoint_or_a_warning_says_they_are_missing(tmp_path, caplog):
+    """The records a resumed run reports on come from its checkpoint; a checkpoint without them (an older version's)
+    gives none, and a warning says the run reports on the steps after it."""
+    from types import SimpleNamespace
+
+    from parallel.checkpoint import Checkpointer
+
+    checkpointer = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(steps=STEPS)))
+    path = store.step_dir(tmp_path, 6)
+    path.mkdir()
+    assert Checkpointer._saved_records(checkpointer, path, 6) == []
+    assert f"{path} holds no metrics records of its steps: metrics.jsonl, the summary and --check cover steps 7 " \
+           f"to {STEPS} only" in caplog.text
+    store.write_records(path, [{"step": step, "loss": 1.0 / step} for step in range(1, 7)])
+    assert Checkpointer._saved_records(checkpointer, path, 6) == [{"step": s, "loss": 1.0 / s} for s in range(1, 7)]

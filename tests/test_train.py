@@ -283,7 +283,7 @@ def test_summary_leaves_out_each_process_s_warm_up_steps(tmp_path):
         first.log_step(step(n, 10.0 if n <= 2 else 1.0))
     first.file.close()
     resumed = MetricsLogger(tmp_path, 8, enabled=True)
-    resumed.start(6)
+    resumed.start(6, first.records)
     for n in range(6, 9):
         resumed.log_step(step(n, 10.0 if n <= 7 else 1.0))
     summary = resumed.summarize(2, {})
