@@ -2,6 +2,8 @@
 
     python -m parallel.launcher torchrun|deepspeed LAUNCHER_ARGUMENTS...
 
+(`deepspeed_node` is what the `deepspeed` one starts on this machine in place of DeepSpeed's node launcher.)
+
 On SIGINT (Ctrl-C) or SIGTERM the ranks stop, and rank 0 of the main job says where and what running the same
 command again does (parallel/train.py). What a launcher would add to that line says nothing more: torchrun's own
 traceback when the signal reached it, or its ChildFailedError report for ranks that exited with the signal's code;
@@ -9,13 +11,18 @@ the DeepSpeed runner's KeyboardInterrupt traceback. The exit code is 128 + the s
 a process the signal ended.
 
 A rank that fails has said why (the job's one-line error, or a traceback): torchrun's own traceback and its
-ChildFailedError report add only which rank failed first, and how. Here that is one line, or nothing when the job's
-error says it all (a rank that exits with REPORTED); the exit code is the failed rank's (128 + a signal that ended it).
+ChildFailedError report add only which rank failed first, and how, and so do the lines of DeepSpeed's node launcher
+(deepspeed.launcher.launch: it kills the ranks, then logs the failed command and its exit code, the same for every
+rank). Here that is one line, or nothing when the job's error says it all (a rank that exits with REPORTED); the exit
+code is the failed rank's (128 + a signal that ended it).
 """
 
 import logging
+import os
 import signal
+import subprocess
 import sys
+from unittest import mock
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # a rank's exit code after a stop: 128 + the signal (parallel/train.py), or minus the signal if it was killed by it
@@ -30,6 +37,28 @@ class _FailureLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("failed (exitcode:")
+
+
+class _DeepSpeedNodeLines(logging.Filter):
+    """Drops the lines of DeepSpeed's node launcher about a failure or a stop (it kills the ranks, names the failed
+    command, or the signal): deepspeed_node() reports a failed rank itself, and rank 0 of the job a stop."""
+
+    DROPPED = ("Killing subprocess", "Main process received")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not (message.startswith(self.DROPPED) or " exits with return code = " in message)
+
+
+def _exit_for_failed_rank(job: str, rank: int, code: int) -> None:
+    """Exit as the rank that failed first: with its code (128 + the signal's number for a signal), saying nothing
+    when the job has said it all (REPORTED), else one line naming the rank and how."""
+    if code == REPORTED:
+        sys.exit(REPORTED)
+    how = (f"was ended by {signal.Signals(-code).name}" if code < 0 else
+           f"exited with code {code} (its error is above)")
+    print(f"{job} failed: rank {rank} {how}", file=sys.stderr)
+    sys.exit(code if code > 0 else 128 - code)
 
 
 def torchrun() -> None:
@@ -48,12 +77,7 @@ def torchrun() -> None:
         if all(code in STOPPED_CODES for code in codes):
             sys.exit(128 + abs(codes[0]) % 128)
         rank, first = e.get_first_failure()  # torchrun stopped the others after it
-        if first.exitcode == REPORTED:
-            sys.exit(REPORTED)
-        how = (f"was ended by {first.signal_name()}" if first.exitcode < 0 else
-               f"exited with code {first.exitcode} (its error is above)")
-        print(f"{e.name} failed: rank {rank} {how}", file=sys.stderr)
-        sys.exit(first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode))
+        _exit_for_failed_rank(e.name, rank, first.exitcode)
 
 
 def deepspeed() -> None:
@@ -74,16 +98,68 @@ def deepspeed() -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, pass_on)
     try:
-        main()
+        with mock.patch.object(subprocess, "Popen", _with_node_launcher(subprocess.Popen)):
+            main()
     finally:
         if received:
             sys.exit(128 + received[0])
 
 
+NODE_LAUNCHER = ["-u", "-m", "deepspeed.launcher.launch"]
+
+
+def _with_node_launcher(popen):
+    """`popen` that starts deepspeed_node() where DeepSpeed's runner starts its node launcher on this machine; any
+    other command (the runners of several nodes: pdsh, mpirun, …) as it is."""
+
+    def start(cmd, *args, **kwargs):
+        if isinstance(cmd, list) and cmd[1:4] == NODE_LAUNCHER:
+            cmd = [cmd[0], "-u", "-m", "parallel.launcher", "deepspeed_node", *cmd[4:]]
+        return popen(cmd, *args, **kwargs)
+
+    return start
+
+
+def deepspeed_node() -> None:
+    """DeepSpeed's node launcher (deepspeed.launcher.launch), reporting the rank that failed first as torchrun() does.
+    It polls its ranks, and at the first that exited with an error it kills the others and exits with that code;
+    which rank it was, it does not say."""
+    from deepspeed.launcher import launch
+    from deepspeed.utils import logger as deepspeed_logger
+
+    failed = []
+
+    class RankProcess(subprocess.Popen):
+        """A rank's process that notes its rank (its environment's RANK) and whether it is the first seen failed."""
+
+        def __init__(self, cmd, *args, env=None, **kwargs):
+            self.rank = int((env or os.environ).get("RANK", -1))  # the launcher reuses one env dict for every rank
+            super().__init__(cmd, *args, env=env, **kwargs)
+
+        def poll(self):
+            code = super().poll()
+            if code and not failed:
+                failed.append(self)
+            return code
+
+    deepspeed_logger.addFilter(_DeepSpeedNodeLines())
+    job = os.path.basename(launch.parse_args().training_script)
+    try:
+        with mock.patch.object(subprocess, "Popen", RankProcess):
+            launch.main()
+    except SystemExit as e:
+        if e.code and failed:
+            rank, code = failed[0].rank, failed[0].returncode
+            if code in STOPPED_CODES:  # a stop (Ctrl-C reaches the ranks too): rank 0 has said so
+                sys.exit(128 + abs(code) % 128)
+            _exit_for_failed_rank(job, rank, code)
+        raise
+
+
 def main() -> None:
     which, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
     try:
-        {"torchrun": torchrun, "deepspeed": deepspeed}[which]()
+        {"torchrun": torchrun, "deepspeed": deepspeed, "deepspeed_node": deepspeed_node}[which]()
     except KeyboardInterrupt:  # Ctrl-C before the launcher took over the signals: no rank has started yet
         print("stopped by SIGINT before the ranks started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)

@@ -236,6 +236,23 @@ def test_resume_into_another_model_names_the_setting(reference, tmp_path, launch
     assert "failed (exitcode" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_deepspeed_job_error_comes_alone(reference, tmp_path):
+    """launch/deepspeed.sh resuming from an fsdp_tp checkpoint: the job's one line and exit code 2, without DeepSpeed's
+    node launcher's lines about killing the ranks and the failed command."""
+    copy_checkpoint(reference[0], 6, tmp_path)
+    result = subprocess.run(["bash", "launch/deepspeed.sh", *job_args(tmp_path)], cwd=ROOT, env=env(), text=True,
+                            capture_output=True, timeout=HUNG_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    error = f"checkpoint error: {store.step_dir(tmp_path / 'ck', 6)} was written by parallel.engine=fsdp_tp, this " \
+            "run is deepspeed\n"
+    assert result.stderr.count(error) == 1, output[-3000:]
+    assert "Traceback" not in output and "exits with return code" not in output, output[-3000:]
+    assert "Killing subprocess" not in output and " failed: " not in output, output[-3000:]
+
+
 def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(reference, tmp_path):
     """The 8-step run's last checkpoint resumed with train.steps=12: steps 9 to 12 run at the LR of a run started with
     12 steps, falling towards 10% of the peak at its end, not on the 8-step cosine continued past its end, which climbs

@@ -190,6 +190,20 @@ def test_generated_corpus_has_the_bytes_asked_for():
     assert [n for n in range(1, 400) for seed in (0, 1, 2) if len(generate_corpus(n, seed)) != n] == []
 
 
+def launcher_command(launcher: str, script: Path) -> list[str]:
+    """`script` on 2 ranks through parallel.launcher, as launch/train.sh (torchrun) or launch/deepspeed.sh start it."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "parallel.launcher", "torchrun", "--standalone", "--nproc-per-node", "2",
+                str(script)]
+    from parallel.runtime import free_port
+
+    return [sys.executable, "-m", "parallel.launcher", "deepspeed", "--num_gpus", "2", "--master_port",
+            str(free_port()), "--no_local_rank", str(script)]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=[
+    pytest.mark.deepspeed,
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")])])
 @pytest.mark.parametrize("rank_does, code, line", [
     ("print('config error: model.dim: …', file=sys.stderr) if rank == 0 else None; sys.exit(2)", 2, None),
     ("raise ValueError(f'rank {rank} breaks') if rank == 1 else time.sleep(60)", 1,
@@ -197,20 +211,23 @@ def test_generated_corpus_has_the_bytes_asked_for():
     ("os.kill(os.getpid(), signal.SIGKILL) if rank == 1 else time.sleep(60)", 128 + 9,
      "script.py failed: rank 1 was ended by SIGKILL"),
 ])
-def test_launcher_reports_a_failed_rank_in_one_line(tmp_path, rank_does, code, line):
+def test_launcher_reports_a_failed_rank_in_one_line(tmp_path, launcher, rank_does, code, line):
     """The job's own error (exit code 2) comes alone; any other failure gets one line naming the rank, not torchrun's
-    traceback and ChildFailedError report; the exit code is the rank's."""
+    traceback and ChildFailedError report, nor DeepSpeed's launcher's lines about killing the ranks and the failed
+    command; the exit code is the rank's (128 + the signal's number for a signal)."""
     script = tmp_path / "script.py"
     script.write_text(f"import os, signal, sys, time\nrank = int(os.environ['RANK'])\n{rank_does}\n")
-    result = subprocess.run([sys.executable, "-m", "parallel.launcher", "torchrun", "--standalone",
-                             "--nproc-per-node", "2", str(script)], cwd=ROOT, text=True, capture_output=True,
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(launcher_command(launcher, script), cwd=ROOT, env=env, text=True, capture_output=True,
                             timeout=HUNG_S)
     output = result.stdout + result.stderr
     assert result.returncode == code, output[-3000:]
     assert "ChildFailedError" not in output and "launch_agent" not in output, output[-3000:]
     assert "failed (exitcode" not in output, output[-3000:]
+    assert "exits with return code" not in output and "Killing subprocess" not in output, output[-3000:]
     if line is None:
         assert result.stderr.count("config error") == 1 and " failed: " not in output, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
     else:
         assert result.stderr.count(line) == 1, output[-3000:]
 
