@@ -10,8 +10,8 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
+import tempfile
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,12 +163,25 @@ def _check(cond: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+def _write_error(directory: Path) -> str | None:
+    """Why nothing can be created in `directory`, or None. A directory made and removed there, not os.access: that
+    says yes to root whatever the permission bits, and to anyone for /proc or a read-only mount's directories, where
+    the job's first write then fails."""
+    try:
+        tempfile.TemporaryDirectory(dir=directory).cleanup()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def _check_directory(key: str, path: Path) -> None:
     """`path` is a directory the job can write in, or one it can create (the job makes it, parents included)."""
     existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
     _check(existing.is_dir(), key, f"{path} is a file, not a directory: name a directory (created if missing)"
            if existing == path else f"{path} cannot be created: {existing} is a file; name a directory")
-    _check(os.access(existing, os.W_OK | os.X_OK), key, f"{existing} is not writable: name a directory you can write")
+    error = _write_error(existing)
+    _check(error is None, key, f"{existing} is not writable (creating a directory in it fails: {error}): name a "
+           "directory you can write")
 
 
 def validate(cfg: Config) -> None:

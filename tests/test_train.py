@@ -142,6 +142,9 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     ("checkpoint.dir=pyproject.toml/ck", "checkpoint.dir: pyproject.toml/ck cannot be created: pyproject.toml is a "
      "file; name a directory"),
     ("train.out_dir=pyproject.toml", "train.out_dir: pyproject.toml is a file, not a directory"),
+    # no process can create anything in /proc, root included (whom permission bits do not stop)
+    ("train.out_dir=/proc/shardnorm-out", "train.out_dir: /proc is not writable"),
+    ("checkpoint.dir=/proc/shardnorm-ck", "checkpoint.dir: /proc is not writable"),
 ])
 def test_config_errors_name_the_key(override, message):
     result = check_config(*override.split(), "--world-size", "2")
