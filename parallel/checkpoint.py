@@ -32,6 +32,9 @@ from parallel.runtime import Runtime
 
 # settings a resumed run must share with the saved one, or its batches differ from the saved run's
 DATA_KEYS = {"seed": "train.seed", "seq_len": "data.seq_len", "grad_accum": "train.grad_accum"}
+# settings a run is compared by (--norm, bf16 against fp32): a resume with others would report the saved run's steps
+# as this setting's, and a comparison run sharing checkpoint.dir would continue the other run instead of starting
+RUN_KEYS = {"norm": "train.norm", "dtype": "train.dtype"}
 # settings of the LR schedule: with values other than the saved ones, a resumed run follows its own (resume())
 SCHEDULE_KEYS = {"steps": "train.steps", "lr": "train.lr", "warmup_steps": "train.warmup_steps"}
 
@@ -164,6 +167,11 @@ class Checkpointer:
             if saved[key] != now[key]:
                 raise CheckpointError(f"{name}: {path} was trained with {saved[key]}, this run "
                                       f"has {now[key]}; the data would not continue where it stopped")
+        for key, name in RUN_KEYS.items():
+            if saved.get(key, now[key]) != now[key]:
+                raise CheckpointError(f"{name}: {path} was trained with {name} = {saved[key]}, this run has "
+                                      f"{now[key]}: to train with {now[key]} from the start, give this run a "
+                                      f"checkpoint.dir of its own; to continue that run, set {name}={saved[key]}")
 
     def resume(self, engine, sampler) -> int:
         """Restore the latest (or the named) checkpoint into `engine` and `sampler`; its step, or 0."""

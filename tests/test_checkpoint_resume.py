@@ -216,6 +216,21 @@ def test_resume_with_another_global_batch_names_the_setting(reference, tmp_path)
     assert "set data.batch_size=4 to continue on the same batches" in result.stderr
 
 
+@pytest.mark.parametrize("setting, saved", [("train.norm=torch", "shardnorm"), ("train.dtype=bfloat16", "float32")])
+def test_resume_with_another_norm_or_dtype_names_the_setting(reference, tmp_path, setting, saved):
+    """The same command with --norm torch (or bf16) after a shardnorm (fp32) run with a checkpoint.dir, as for a
+    comparison: refused, naming the setting, instead of continuing the other run's checkpoint (or training nothing
+    after it) and reporting its steps as this setting's."""
+    copy_checkpoint(reference[0], 6, tmp_path)
+    result = subprocess.run([sys.executable, "-m", "parallel.train", *job_args(tmp_path, "parallel.tp=1", setting)],
+                            cwd=ROOT, env=env(), text=True, capture_output=True, timeout=HUNG_S)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    key, value = setting.split("=")
+    assert (f"checkpoint error: {key}: {store.step_dir(tmp_path / 'ck', 6)} was trained with {key} = {saved}, this "
+            f"run has {value}" in result.stderr), result.stderr[-3000:]
+    assert "step    7" not in result.stdout
+
+
 @pytest.mark.parametrize("launcher", ["one_process", "train.sh"])
 def test_resume_into_another_model_names_the_setting(reference, tmp_path, launcher):
     """A checkpoint of 2 layers into a model of 1: the [model] setting named (DCP loaded the subset it found and the
