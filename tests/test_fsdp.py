@@ -323,18 +323,51 @@ def _in_place_grad_step(model, micro_batches) -> dict[str, torch.Tensor]:
     return grads
 
 
+# what a loop does to a `.grad` kept from the last step, mid-step; the first two bump no version counter
+# (`torch._foreach_zero_` on DTensor grads, `.data`), so only the values can tell that they changed
+KEPT_GRAD_CHANGES = {
+    "optimizer (foreach), zeros": lambda model, optimizer: optimizer.zero_grad(set_to_none=False),
+    "in place, .data": lambda model, optimizer: [p.grad.data.zero_() for p in model.parameters()],
+    "in place, mul_(0.5)": lambda model, optimizer: [p.grad.mul_(0.5) for p in model.parameters()],
+}
+
+
+def _kept_grad_step(model, micro_batches, change: str) -> dict[str, torch.Tensor]:
+    """A step of the first micro-batch, its grads kept (no zero_grad), then the next step: its first micro-batch
+    inside accumulate(fsdp_sync=True), `change` on the grads, its last micro-batch: name -> full grad, then .grad
+    None again. Checks that a zeroing leaves nothing pending (a checkpoint would be refused)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, foreach=True)
+    for i, (x, y) in enumerate(micro_batches):
+        with shardnorm.accumulate(model, fsdp_sync=True) if i == 1 else torch.enable_grad():
+            nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        if i == 1:
+            KEPT_GRAD_CHANGES[change](model, optimizer)
+            if "zero" in change:
+                assert not pending_grads(model), f"{change}: {pending_grads(model)}"
+    shardnorm.finalize_grads(model)
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = p.grad.full_tensor().cpu()
+        p.grad = None
+    return grads
+
+
 def _tp2_in_place(rank, world_size, seed):
     """FSDP2 × TP with accumulate(fsdp_sync=True): in-place grad code between micro-batches works and gives the
-    grads it gives with torch's norms (.grad's requires_grad stays the user's)."""
+    grads it gives with torch's norms (.grad's requires_grad stays the user's), also on a `.grad` kept from the
+    last step and where the change bumps no version counter."""
     _quiet()
     device = rank_device(rank)
     batches = token_batches(seed, 1, steps=2)
     mesh = init_device_mesh(device.type, (1, world_size), mesh_dim_names=("dp", "tp"))
     micro_batches = rank_rows(batches[0] + batches[1][:1], 0, device)
-    ours = _in_place_grad_step(_shard_main_job(seed, mesh, device), micro_batches)
+    ours = _shard_main_job(seed, mesh, device)
     torch_norms = parallelize(make_model(seed, device, "torch"), mesh, dataclasses.replace(TRAIN, norm="torch"))
-    assert_grads_match("p.grad.zero_() / mul_(0.5) between micro-batches", ours,
+    assert_grads_match("p.grad.zero_() / mul_(0.5) between micro-batches", _in_place_grad_step(ours, micro_batches),
                        _in_place_grad_step(torch_norms, micro_batches))
+    for change in KEPT_GRAD_CHANGES:  # SGD at lr 0: the models stay as they were
+        assert_grads_match(f"a kept .grad, then {change} mid-step", _kept_grad_step(ours, micro_batches, change),
+                           _kept_grad_step(torch_norms, micro_batches, change))
 
 
 def test_fsdp_tp2_in_place_grad_ops():

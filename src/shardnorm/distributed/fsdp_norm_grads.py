@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from shardnorm._torch_compat import tensor_version
 from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradAttributeSource, local_tensor
 from shardnorm.rows import dtensor_like
 
@@ -20,17 +19,19 @@ class FSDPShardedGrads(GradAttributeSource):
 
     `shard_model`'s forward pre-hooks hand it FSDP's unsharded params (`track`). Unreduced: what FSDP added
     since the step's first backward (a post-accumulate hook says FSDP wrote), remembered by the grad tensor's
-    identity and version, so a zeroing (`.grad` set to None, or zeroed in place) takes it too; the grad's
-    autograd state stays the user's, so in-place grad code (`p.grad.zero_()`, `p.grad.mul_()`) works as with
-    torch's norms. A backward inside `accumulate` whose grads FSDP kept (no-sync) is pending as well; those
-    follow FSDP's own rules.
+    identity and a copy of its values as FSDP left them, so a zeroing or scaling of `.grad` takes it too (`.grad`
+    set to None or replaced: all of it; changed in place: elementwise, as the reducer's own stash, `_Slot._kept`),
+    also where no version counter sees the change (an optimizer built with `foreach=True` or `fused=True` zeroes
+    DTensor grads with `torch._foreach_zero_`; `p.grad.data.zero_()`); the grad's autograd state stays the
+    user's, so in-place grad code (`p.grad.zero_()`, `p.grad.mul_()`) works as with torch's norms. A backward
+    inside `accumulate` whose grads FSDP kept (no-sync) is pending as well; those follow FSDP's own rules.
     """
 
     def __init__(self, params: list[nn.Parameter], group):
         super().__init__(params, group)
         self._before: dict[int, torch.Tensor] = {}  # id(param) -> fp32 local grad already reduced over tp
-        self._dirty: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (its sharded grad holding FSDP
-        # output not yet reduced over tp, its version counter when last seen unzeroed)
+        self._dirty: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (its sharded grad holding
+        # FSDP output not yet reduced over tp, a flat fp32 copy of that grad's local values as last seen)
         self._kept_by_fsdp = False  # FSDP kept (no-sync) the grads of a backward inside accumulate
         self._hooked: set[int] = set()  # id(param) of the sharded params whose grads the hook reports
 
@@ -71,7 +72,7 @@ class FSDPShardedGrads(GradAttributeSource):
 
     def begin_backward(self) -> None:
         self._hook_trainable()
-        self._drop_cleared()
+        self._follow_user_changes()
         for p in self.params:  # remember what is already reduced, so only FSDP's new output is all-reduced
             if id(p) not in self._dirty:
                 if p.grad is None:
@@ -81,30 +82,44 @@ class FSDPShardedGrads(GradAttributeSource):
 
     def _on_sharded_grad(self, param: nn.Parameter) -> None:
         """FSDP added its reduce-scatter output (still partial over tp) to this sharded grad: hold it."""
-        self._dirty[id(param)] = (param.grad, tensor_version(param.grad))
+        self._dirty[id(param)] = (param.grad, local_tensor(param.grad).reshape(-1).to(torch.float32, copy=True))
         self._kept_by_fsdp = False
 
-    def _drop_cleared(self) -> None:
-        """Forget the sharded grads a zeroing took: set to None (or replaced), or zeroed in place since FSDP wrote
-        them. A zero_grad without set_to_none only zeroes, so an in-place change (which bumps its version; FSDP's
-        own writes are seen by the hook) that left all zeros is one; a scaling keeps the grad unreduced."""
+    def _follow_user_changes(self) -> None:
+        """Apply to the record what the user did to the held sharded grads since FSDP wrote them, without reading
+        the device: a grad set to None or replaced takes all of it; in place, elementwise against the values FSDP
+        left, an unchanged element keeps its reduced part, a scaled one (zeroed: by 0) scales it alike, and a value
+        set where FSDP left 0 counts as reduced (the reducer's stash does the same, `_Slot._kept`). No version
+        counter is read: `torch._foreach_zero_` (a foreach or fused optimizer's zero_grad) and `.data` bump none."""
         for p in self.params:
-            held, version = self._dirty.get(id(p), (None, None))
+            held, seen = self._dirty.get(id(p), (None, None))
             if held is None:
                 continue
-            if p.grad is not held or (tensor_version(held) != version and not local_tensor(held).any()):
+            if p.grad is not held:
                 del self._dirty[id(p)]
                 self._before.pop(id(p), None)
-            elif tensor_version(held) != version:  # changed but not zeroed: no need to look at its values again
-                self._dirty[id(p)] = (held, tensor_version(held))
+                continue
+            now = local_tensor(held).reshape(-1).to(torch.float32, copy=True)
+            base = self._before.get(id(p))
+            if base is not None:
+                ratio = torch.where(seen != 0, now / seen, 0.0)
+                self._before[id(p)] = torch.where(now == seen, base, torch.where(seen != 0, ratio * base, now))
+            self._dirty[id(p)] = (held, now)
 
     @property
     def pending(self) -> bool:
-        self._drop_cleared()
-        return bool(self._dirty) or self._kept_by_fsdp
+        """Whether FSDP kept a backward's grads, or some held sharded grad still has a part not reduced over tp
+        after the user's handling of it (a read of the device)."""
+        if self._kept_by_fsdp:
+            return True
+        for p in self._unreduced():
+            now, base = self._dirty[id(p)][1], self._before.get(id(p))
+            if bool((now if base is None else now - base).any()):
+                return True
+        return False
 
     def _unreduced(self) -> list[nn.Parameter]:
-        self._drop_cleared()
+        self._follow_user_changes()
         return [p for p in self.params if id(p) in self._dirty]
 
     def _base(self, param) -> torch.Tensor | None:
