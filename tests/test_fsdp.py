@@ -327,7 +327,7 @@ def _in_place_grad_step(model, micro_batches) -> dict[str, torch.Tensor]:
 # (`torch._foreach_zero_` on DTensor grads, `.data`), so only the values can tell that they changed
 KEPT_GRAD_CHANGES = {
     "optimizer (foreach), zeros": lambda model, optimizer: optimizer.zero_grad(set_to_none=False),
-    "in place, .data": lambda model, optimizer: [p.grad.data.zero_() for p in model.parameters()],
+    "in place, .data.zero_()": lambda model, optimizer: [p.grad.data.zero_() for p in model.parameters()],
     "in place, mul_(0.5)": lambda model, optimizer: [p.grad.mul_(0.5) for p in model.parameters()],
 }
 
