@@ -57,6 +57,14 @@ class Runtime:
         dist.all_reduce(t)  # SUM: gloo has no AVG
         return t.item() / self.world_size
 
+    def from_main(self, value):
+        """Rank 0's `value` (any picklable object) on every rank."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -35,6 +35,7 @@ from parallel.launcher import REPORTED
 from parallel.metrics import MetricsLogger, logger, setup_logging
 from parallel.model import build_model
 from parallel.parallelize import parallelize, uses_norm_reducer
+from parallel.run_dirs import hold_run_dirs
 from parallel.runtime import CollectivePhase, Runtime, init_runtime, shutdown
 
 
@@ -168,15 +169,16 @@ def main() -> None:
         runtime = init_runtime(deepspeed=cfg.parallel.engine == "deepspeed",
                                timeout_s=cfg.parallel.timeout_s)
         setup_logging(runtime.is_main)
+        hold_run_dirs(cfg, runtime.is_main, runtime.from_main)
         metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main, cfg.train.tensorboard)
         collectives = train(cfg, runtime, metrics, dp, tp)
         shutdown()
         if runtime.is_main and metrics.records:
             report(cfg, runtime, metrics, world_size, dp, tp, collectives)
-    except CheckpointError as e:
+    except (ConfigError, CheckpointError) as e:  # a directory in use; a checkpoint that does not fit
         shutdown(wait_for_peers=False)
         if runtime.is_main:
-            print(f"checkpoint error: {e}", file=sys.stderr)
+            print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
         sys.exit(REPORTED)  # the launcher adds nothing to the error
     except BaseException as error:
         try:

@@ -330,6 +330,33 @@ def test_resume_reports_on_the_checkpoint_s_steps_not_out_dir_s(reference, tmp_p
     assert losses(tmp_path) == reference[1]  # bitwise: the saved steps' records, then the same layout's steps
 
 
+@pytest.mark.parametrize("key, directory, launcher", [("train.out_dir", "out", "one_process"),
+                                                      ("checkpoint.dir", "ck", "one_process"),
+                                                      ("train.out_dir", "out", "train.sh")])
+def test_a_directory_in_use_by_another_run_is_refused(tmp_path, key, directory, launcher):
+    """Two runs at once in one train.out_dir interleave their metrics.jsonl lines, and in one checkpoint.dir each
+    deletes the other's checkpoint being written (a traceback): while a run holds the directory's lock, another is
+    refused at start-up, naming the setting and the run that holds it. Every rank ends with rank 0, none is left
+    for torchrun to kill."""
+    import fcntl
+
+    from parallel.run_dirs import LOCK
+
+    (tmp_path / directory).mkdir()
+    with open(tmp_path / directory / LOCK, "w") as held:  # as a running job's rank 0 holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write(f"pid {os.getpid()}")
+        held.flush()
+        cmd = ([sys.executable, "-m", "parallel.train", *job_args(tmp_path, "parallel.tp=1")]
+               if launcher == "one_process" else ["bash", "launch/train.sh", *job_args(tmp_path)])
+        result = subprocess.run(cmd, cwd=ROOT, env=env(), text=True, capture_output=True, timeout=HUNG_S)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (result.stderr.count(f"config error: {key}: {tmp_path / directory} is in use by another run "
+                                f"(pid {os.getpid()})") == 1), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Unable to shutdown process" not in result.stderr, result.stderr[-3000:]
+    assert "step " not in result.stdout and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def corrupt(path: Path, how: str) -> None:
     if how == "no_marker":
         (path / store.MARKER).unlink()
