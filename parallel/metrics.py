@@ -59,6 +59,7 @@ class MetricsLogger:
         from its checkpoint."""
         if not self.enabled:
             return
+        self._remove_stale_files(resumed=first_step > 1)
         self.records = list(saved or [])
         self.file = (self.out_dir / "metrics.jsonl").open("w")
         for record in self.records:
@@ -69,6 +70,15 @@ class MetricsLogger:
 
             self.bar = tqdm(total=self.total_steps, initial=first_step - 1, unit="step",
                             dynamic_ncols=True)
+
+    def _remove_stale_files(self, resumed: bool) -> None:
+        """The files of the run that last wrote in out_dir, other than metrics.jsonl (which start() rewrites): its
+        summary.json and loss.png would otherwise stand beside this run's records until it finishes, or for good if
+        it stops (parallel.compare takes a summary.json for a finished run's). Its checkpoints.jsonl stays only
+        when this run resumes, as its lines may be of this run's earlier part."""
+        stale = ["summary.json", "loss.png"] + ([] if resumed else ["checkpoints.jsonl"])
+        for name in stale:
+            (self.out_dir / name).unlink(missing_ok=True)
 
     def log_step(self, record: dict) -> None:
         if not self.enabled:

@@ -308,3 +308,17 @@ def test_summary_leaves_out_each_process_s_warm_up_steps(tmp_path):
         resumed.log_step(step(n, 10.0 if n <= 7 else 1.0))
     summary = resumed.summarize(2, {})
     assert summary["timed_steps"] == 4 and summary["step_time_s"] == 1.0, summary  # steps 3, 4, 5 and 8
+
+
+@pytest.mark.parametrize("first_step", [1, 5])
+def test_a_run_s_start_leaves_no_summary_of_the_run_before(tmp_path, first_step):
+    """A run in an out_dir that another run finished in: from its first step on, summary.json and loss.png are not
+    the other run's (a stop or a crash would leave them beside this run's metrics.jsonl, and parallel.compare takes
+    a summary.json for a finished run); checkpoints.jsonl keeps its lines only when the run resumes."""
+    from parallel.metrics import MetricsLogger
+
+    for name in ("summary.json", "loss.png", "checkpoints.jsonl"):
+        (tmp_path / name).write_text("the run before's\n")
+    MetricsLogger(tmp_path, 8, enabled=True).start(first_step)
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "loss.png").exists()
+    assert (tmp_path / "checkpoints.jsonl").exists() == (first_step > 1)
