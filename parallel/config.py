@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import tomllib
@@ -122,6 +123,19 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
             "parallel": ParallelConfig, "checkpoint": CheckpointConfig}
 CHOICES = {"train.dtype": ("float32", "bfloat16"), "train.norm": ("shardnorm", "torch"),
            "parallel.engine": ("fsdp_tp", "deepspeed")}
+
+
+# settings that name a file or directory
+PATH_KEYS = ("data.path", "train.out_dir", "checkpoint.dir", "checkpoint.load", "parallel.deepspeed_config")
+
+
+def _expand_home(cfg: Config) -> None:
+    """`~/…` in a path setting is the home directory's: the shell leaves `train.out_dir=~/runs` as it is (not a
+    variable assignment), and a TOML string is never expanded; taken literally, it names a directory `~` here."""
+    for dotted in PATH_KEYS:
+        section, key = dotted.split(".")
+        table = getattr(cfg, section)
+        setattr(table, key, os.path.expanduser(getattr(table, key)))
 
 
 def parse_override(text: str) -> tuple[str, str, object]:
@@ -273,6 +287,7 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{sorted(unknown)[0]}: unknown section; known: {', '.join(SECTIONS)}")
     cfg = Config(name=path.stem, **{name: _section(name, cls, tables.get(name, {}))
                                     for name, cls in SECTIONS.items()})
+    _expand_home(cfg)
     validate(cfg)
     return cfg
 

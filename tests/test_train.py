@@ -322,3 +322,15 @@ def test_a_run_s_start_leaves_no_summary_of_the_run_before(tmp_path, first_step)
     MetricsLogger(tmp_path, 8, enabled=True).start(first_step)
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "loss.png").exists()
     assert (tmp_path / "checkpoints.jsonl").exists() == (first_step > 1)
+
+
+def test_paths_starting_with_a_tilde_are_in_the_home_directory(tmp_path):
+    """The shell leaves `~` alone in `train.out_dir=~/runs` (not a variable assignment): the job expands it (in the
+    config file's paths too), instead of writing into a directory named `~` in the current one."""
+    result = subprocess.run([sys.executable, "-m", "parallel.config", TINY, "train.out_dir=~/runs",
+                             "checkpoint.dir=~/ck", "--world-size", "2"], cwd=ROOT, text=True, capture_output=True,
+                            env=os.environ | {"HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"out_dir = {json.dumps(str(tmp_path / 'runs'))}" in lines and f"dir = {json.dumps(str(tmp_path / 'ck'))}" \
+        in lines, result.stdout
