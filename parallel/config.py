@@ -259,6 +259,9 @@ def validate(cfg: Config) -> None:
         _check(value >= 0, key, f"must not be negative, got {value}")
     _check(not c.every or c.dir, "checkpoint.dir",
            "is empty, so checkpoint.every has nowhere to save: set checkpoint.dir=DIR")
+    _check(c.every or c.at_end or not c.dir, "checkpoint.at_end",
+           "false with checkpoint.every = 0 saves no checkpoint to checkpoint.dir: set checkpoint.every=N to save "
+           "every N steps, or checkpoint.load=PATH (without checkpoint.dir) to resume without saving")
     if c.load:  # an explicit checkpoint that cannot be read is an error, never a fresh start
         try:
             checkpoint_store.resolve(c.load)

@@ -145,6 +145,9 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     # no process can create anything in /proc, root included (whom permission bits do not stop)
     ("train.out_dir=/proc/shardnorm-out", "train.out_dir: /proc is not writable"),
     ("checkpoint.dir=/proc/shardnorm-ck", "checkpoint.dir: /proc is not writable"),
+    # a checkpoint.dir that no checkpoint would ever be saved to: known only when one is needed
+    ("checkpoint.dir=/tmp/shardnorm-ck checkpoint.at_end=false", "checkpoint.at_end: false with checkpoint.every = 0 "
+     "saves no checkpoint to checkpoint.dir"),
 ])
 def test_config_errors_name_the_key(override, message):
     result = check_config(*override.split(), "--world-size", "2")
