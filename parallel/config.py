@@ -156,8 +156,17 @@ def _typed(key: str, value, expected: type):
         return float(value)
     if type(value) is not expected:  # bool is not accepted where an int is expected
         raise ConfigError(f"{key}: expected {expected.__name__}, got {type(value).__name__} "
-                          f"{value!r}")
+                          f"{value!r}{_toml_hint(value, expected)}")
     return value
+
+
+def _toml_hint(value, expected: type) -> str:
+    """How to write a number or a bool: a value TOML does not read as one (`.001`, `True`) arrives as a string."""
+    if type(value) is not str:
+        return ""
+    if expected is bool:
+        return ": write true or false"
+    return ": write a TOML number (0.001, 1e-3, 20)" if expected in (int, float) else ""
 
 
 def _section(name: str, cls, table: dict):
@@ -273,15 +282,28 @@ def validate(cfg: Config) -> None:
            f"{t.timing_skip} leaves no timed step out of train.steps ({t.steps})")
 
 
+def _read_tables(path: Path) -> dict:
+    """The TOML file's tables; ConfigError naming the file for one that cannot be read as TOML."""
+    fix = "name a TOML file, e.g. configs/tiny_cpu.toml"
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        order = " (the config file comes first: CONFIG [section.key=value ...])" if "=" in path.name else ""
+        raise ConfigError(f"config file {path} does not exist{order}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory: {fix}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not a UTF-8 text file: {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror}): {fix}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
 def load(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read a TOML config, apply `section.key=value` overrides, validate; raise ConfigError."""
     path = Path(path)
-    try:
-        tables = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    tables = _read_tables(path)
     for text in overrides:
         section, key, value = parse_override(text)
         tables.setdefault(section, {})[key] = value

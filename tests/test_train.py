@@ -126,6 +126,9 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     ("model.n_layer=2", "model.n_layer: unknown key"),
     ("train.steps=abc", "train.steps: expected int, got str"),
     ("train.compile=1", "train.compile: expected bool, got int"),
+    # values are TOML: what it does not read as a number or a bool is a string, which says nothing of why
+    ("train.lr=.001", "train.lr: expected float, got str '.001': write a TOML number (0.001, 1e-3, 20)"),
+    ("train.check=True", "train.check: expected bool, got str 'True': write true or false"),
     ("train.norm=apex", "train.norm: 'apex' is not one of shardnorm, torch"),
     ("optim.lr=1", "optim: unknown section"),
     ("train.steps", "override 'train.steps': expected section.key=value"),
@@ -337,3 +340,22 @@ def test_paths_starting_with_a_tilde_are_in_the_home_directory(tmp_path):
     lines = result.stdout.splitlines()
     assert f"out_dir = {json.dumps(str(tmp_path / 'runs'))}" in lines and f"dir = {json.dumps(str(tmp_path / 'ck'))}" \
         in lines, result.stdout
+
+
+@pytest.mark.parametrize("config, message", [
+    ("configs", "config file configs is a directory: name a TOML file, e.g. configs/tiny_cpu.toml"),
+    ("binary", "is not a UTF-8 text file: name a TOML file, e.g. configs/tiny_cpu.toml"),
+    ("train.steps=3", "config file train.steps=3 does not exist (the config file comes first: CONFIG "
+     "[section.key=value ...])"),
+])
+def test_config_file_that_cannot_be_read_is_named(tmp_path, config, message):
+    """One line naming the file, not a traceback (a directory, bytes that are not text), and for an override given
+    first, where the config file goes, what the order is."""
+    if config == "binary":
+        config = str(tmp_path / "model.bin")
+        Path(config).write_bytes(bytes(range(256)))
+    result = subprocess.run([sys.executable, "-m", "parallel.config", config, *([TINY] if "=" in config else [])],
+                            cwd=ROOT, text=True, capture_output=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("config error: ") and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
