@@ -207,6 +207,18 @@ def _check_directory(key: str, path: Path) -> None:
            "directory you can write")
 
 
+def _check_deepspeed_json(path: str) -> None:
+    """The DeepSpeed config is a JSON object (its "shardnorm" section is checked where shardnorm reads it: the
+    engine, parallel/engines.py)."""
+    key = "parallel.deepspeed_config"
+    _check(Path(path).is_file(), key, f"{path} is not a file")
+    try:
+        config = json.loads(Path(path).read_text())
+    except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{key}: {path} is not valid JSON: {e}") from None
+    _check(isinstance(config, dict), key, f"{path} holds {type(config).__name__}, not a JSON object of settings")
+
+
 def validate(cfg: Config) -> None:
     """Value checks that do not depend on the world size."""
     for dotted, allowed in CHOICES.items():
@@ -238,8 +250,8 @@ def validate(cfg: Config) -> None:
     _check(p.engine != "deepspeed" or not t.compile, "train.compile",
            "the DeepSpeed engine does not compile the model here (--compile runs with parallel.engine = "
            "fsdp_tp: launch/train.sh)")
-    _check(p.engine != "deepspeed" or Path(p.deepspeed_config).is_file(),
-           "parallel.deepspeed_config", f"{p.deepspeed_config} is not a file")
+    if p.engine == "deepspeed":
+        _check_deepspeed_json(p.deepspeed_config)
     _check(not d.path or Path(d.path).is_file(), "data.path", f"{d.path} is not a file")
     # a window is seq_len + 1 tokens (the targets are the inputs one token on) at a random offset: the corpus needs more
     window = d.seq_len + 1

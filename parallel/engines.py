@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import shardnorm
 import shardnorm.fsdp
-from parallel.config import TrainConfig
+from shardnorm.integrations.deepspeed_config import ShardnormConfigError
+from parallel.config import ConfigError, TrainConfig
 from parallel.metrics import logger
 
 
@@ -162,8 +163,11 @@ class DeepSpeedEngine:
         if section["enabled"]:  # model.norm_keep_output, which the summary reports, over the JSON's
             section["keep_output"] = keep_output
         optimizer, scheduler = build_optimizer(model, train)
-        self.engine, self.optimizer, _, self.scheduler = shardnorm.integrations.deepspeed.initialize(
-            model=model, config=config, optimizer=optimizer, lr_scheduler=scheduler)
+        try:
+            self.engine, self.optimizer, _, self.scheduler = shardnorm.integrations.deepspeed.initialize(
+                model=model, config=config, optimizer=optimizer, lr_scheduler=scheduler)
+        except ShardnormConfigError as e:  # the same on every rank, checked before the model changes
+            raise ConfigError(f"parallel.deepspeed_config: {ds_config_path}: {e}") from None
         self.model = self.engine.module
         self.host_ms: dict[str, float] = {}
         logger.info("DeepSpeed (ZeRO stage %d): %d shardnorm norms in the model",

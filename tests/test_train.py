@@ -117,6 +117,25 @@ def test_deepspeed_zero3(tmp_path):
     assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
 
 
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_deepspeed_config_s_shardnorm_section_error_is_one_line(tmp_path):
+    """A bad key in the DeepSpeed JSON's "shardnorm" section (checked by the ranks, when the engine starts): the job's
+    one line naming the setting, the file and the key, exit code 2; no traceback per rank."""
+    ds_config = tmp_path / "zero2.json"
+    ds_config.write_text(json.dumps({**json.loads((ROOT / "configs/deepspeed/zero2.json").read_text()),
+                                     "shardnorm": {"bogus": 1}}))
+    result = launch("deepspeed.sh", TINY, "train.steps=2", "train.timing_skip=1",
+                    f"parallel.deepspeed_config={json.dumps(str(ds_config))}",
+                    f"train.out_dir={json.dumps(str(tmp_path / 'out'))}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert result.stderr.count(f"config error: parallel.deepspeed_config: {ds_config}: shardnorm.bogus: unknown "
+                               "key") == 1, output[-3000:]
+    assert "Traceback" not in output and " failed: " not in output, output[-3000:]
+
+
 def check_config(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "parallel.config", TINY, *args], cwd=ROOT,
                           text=True, capture_output=True)
@@ -148,6 +167,9 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     # no process can create anything in /proc, root included (whom permission bits do not stop)
     ("train.out_dir=/proc/shardnorm-out", "train.out_dir: /proc is not writable"),
     ("checkpoint.dir=/proc/shardnorm-ck", "checkpoint.dir: /proc is not writable"),
+    # each rank failed with a traceback reading it
+    ("parallel.engine=deepspeed parallel.tp=1 parallel.deepspeed_config=configs/tiny_cpu.toml",
+     "parallel.deepspeed_config: configs/tiny_cpu.toml is not valid JSON: Expecting value: line 1 column 1"),
     # a checkpoint.dir that no checkpoint would ever be saved to: known only when one is needed
     ("checkpoint.dir=/tmp/shardnorm-ck checkpoint.at_end=false", "checkpoint.at_end: false with checkpoint.every = 0 "
      "saves no checkpoint to checkpoint.dir"),
