@@ -359,6 +359,26 @@ def _zero_grad_discards_pending(mesh, seed):
         _clean_step(model, ref, mesh, f"{case}: step after the abandoned one")
 
 
+def _nan_step_given_up(mesh, seed):
+    """A micro-batch whose grads are NaN (an overflow) inside `accumulate`, the step given up with each zero_grad:
+    the next step's grads are its own, not NaN (a `.grad` of zeros kept from the step before gave the NaN no ratio
+    to be scaled by: 0 x NaN)."""
+    for case, zero in ZERO_GRADS.items():
+        ref, model = _models(mesh, seed)
+        reducer = attach_reducer(model, bucket_cap_mb=BUCKET_CAP_MB)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0, foreach="foreach" in case)
+        _clean_step(model, ref, mesh, f"{case}: first step")
+        zero(model, opt)
+        ref.zero_grad(set_to_none=True)
+        x = torch.randn(2, 8, HIDDEN)
+        x[0, 0, 0] = float("nan")
+        with shardnorm.accumulate(model):
+            model(distribute_tensor(x, mesh, [Shard(1)])).sum().full_tensor().backward()
+        zero(model, opt)
+        assert not reducer.has_pending, f"{case}: zero_grad left the NaN step's sums pending"
+        _clean_step(model, ref, mesh, f"{case}: step after a NaN step given up")
+
+
 def _in_place_zero_after_bucket_stash(mesh, seed):
     """Grads zeroed in place between the micro-batches of a step whose sums the reducer stashed a bucket at a time
     (`.grad`s all None before it: views of one tensor per bucket): the zeroing reaches every one of them."""
@@ -602,6 +622,7 @@ def _lifecycle(rank, world_size, seed):
     _step_boundary_kernels_per_bucket(mesh)
     counter = _AllReduceCounter()
     _zero_grad_discards_pending(mesh, seed)
+    _nan_step_given_up(mesh, seed)
     _in_place_zero_after_bucket_stash(mesh, seed)
     _backward_that_raises(mesh, seed)
     _carried_grads_changed_mid_step(mesh, seed)

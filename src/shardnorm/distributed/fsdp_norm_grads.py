@@ -89,8 +89,9 @@ class FSDPShardedGrads(GradAttributeSource):
         """Apply to the record what the user did to the held sharded grads since FSDP wrote them, without reading
         the device: a grad set to None or replaced takes all of it; in place, elementwise against the values FSDP
         left, an unchanged element keeps its reduced part, a scaled one (zeroed: by 0) scales it alike, and a value
-        set where FSDP left 0 counts as reduced (the reducer's stash does the same, `_Slot._kept`). No version
-        counter is read: `torch._foreach_zero_` (a foreach or fused optimizer's zero_grad) and `.data` bump none."""
+        set where FSDP left 0, NaN or Inf counts as reduced (the reducer's stash does the same, `_Slot._kept`). No
+        version counter is read: `torch._foreach_zero_` (a foreach or fused optimizer's zero_grad) and `.data` bump
+        none."""
         for p in self.params:
             held, seen = self._dirty.get(id(p), (None, None))
             if held is None:
@@ -102,8 +103,9 @@ class FSDPShardedGrads(GradAttributeSource):
             now = local_tensor(held).reshape(-1).to(torch.float32, copy=True)
             base = self._before.get(id(p))
             if base is not None:
-                ratio = torch.where(seen != 0, now / seen, 0.0)
-                self._before[id(p)] = torch.where(now == seen, base, torch.where(seen != 0, ratio * base, now))
+                scaled = (seen != 0) & seen.isfinite()
+                ratio = torch.where(scaled, now / seen, 0.0)
+                self._before[id(p)] = torch.where(now == seen, base, torch.where(scaled, ratio * base, now))
             self._dirty[id(p)] = (held, now)
 
     @property

@@ -89,7 +89,9 @@ class _Slot:
         `stash` wrote, the exact sum and what `.grad` held before the step; elsewhere the user changed `.grad`
         (zeroed or scaled it through `zero_grad`, `.data` or anything else), and the change applies to both parts
         alike: the sum is reduced over the ranks, the part held before (the last step's reduced grad, the same on
-        every rank) is not, so it must not be counted once per rank."""
+        every rank) is not, so it must not be counted once per rank. A changed element whose written value gives no
+        ratio (0, or a NaN or Inf of an overflowed micro-batch) holds what the user put there, as the part held
+        before: a zeroing after a NaN micro-batch leaves zeros, not 0 x NaN."""
         if self.param.grad is None:
             return None, None
         now = local_tensor(self.param.grad).reshape(-1)
@@ -97,9 +99,10 @@ class _Slot:
         if self.base is None:
             return torch.where(same, self.total, now.float()), None
         written = self.written.float()
-        ratio = torch.where(written != 0, now.float() / written, 0.0)
-        base = torch.where(same, self.base, torch.where(written != 0, ratio * self.base, now.float()))
-        return torch.where(same, self.total, ratio * self.total), base
+        scaled = (written != 0) & written.isfinite()
+        ratio = torch.where(scaled, now.float() / written, 0.0)
+        base = torch.where(same, self.base, torch.where(scaled, ratio * self.base, now.float()))
+        return torch.where(same, self.total, torch.where(scaled, ratio * self.total, 0.0)), base
 
     def holds_sum(self) -> bool:
         """Whether a stashed sum is left after the user's handling of `.grad` (a read of the device)."""
