@@ -37,6 +37,9 @@ DATA_KEYS = {"seed": "train.seed", "seq_len": "data.seq_len", "grad_accum": "tra
 RUN_KEYS = {"norm": "train.norm", "dtype": "train.dtype"}
 # settings of the LR schedule: with values other than the saved ones, a resumed run follows its own (resume())
 SCHEDULE_KEYS = {"steps": "train.steps", "lr": "train.lr", "warmup_steps": "train.warmup_steps"}
+# optimizer settings: AdamW's come back with its state (param_groups), a resumed run sets its own again (resume())
+OPTIMIZER_KEYS = {"weight_decay": "train.weight_decay", "adam_eps": "train.adam_eps",
+                  "max_grad_norm": "train.max_grad_norm"}
 
 
 def _barrier() -> None:
@@ -80,6 +83,13 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         numpy.random.set_state(states["numpy"])
 
 
+def use_optimizer_settings(optimizer, train) -> None:
+    """This run's AdamW settings in `optimizer`'s param groups: loading a checkpoint's state puts the saved ones there
+    (torch's and DeepSpeed's optimizers alike). Clipping reads train.max_grad_norm each step."""
+    for group in optimizer.param_groups:
+        group["weight_decay"], group["eps"] = train.weight_decay, train.adam_eps
+
+
 def resume_hint(cfg: Config) -> str:
     """What running the same command again does, for a run that stopped early: which checkpoint it resumes
     from (the one `checkpoint.load` names, else the latest complete one in `checkpoint.dir`), or that it starts
@@ -117,7 +127,7 @@ class Checkpointer:
                      "tp": tp, "global_rows": cfg.data.batch_size * dp, "config": cfg.name,
                      "dtype": cfg.train.dtype, "norm": cfg.train.norm, "model": dataclasses.asdict(cfg.model),
                      **{k: getattr(cfg.train if k != "seq_len" else cfg.data, k)
-                        for k in (*DATA_KEYS, *SCHEDULE_KEYS)}}
+                        for k in (*DATA_KEYS, *SCHEDULE_KEYS, *OPTIMIZER_KEYS)}}
 
     # ---- resume ------------------------------------------------------------------------------------
 
@@ -188,15 +198,19 @@ class Checkpointer:
                                " (and nothing to check: --check compares the steps a run trains)"
                                if self.cfg.train.check else "")
             return saved["step"]
-        changed = [f"{name} = {saved[key]} there, {self.info[key]} here" for key, name in SCHEDULE_KEYS.items()
-                   if saved[key] != self.info[key]]
-        if changed and self.cfg.train.check:  # its reference trains every step on this run's schedule
+        schedule_changed, optimizer_changed = self._changed(saved, SCHEDULE_KEYS), self._changed(saved, OPTIMIZER_KEYS)
+        changed = schedule_changed + optimizer_changed
+        if changed and self.cfg.train.check:  # its reference trains every step with this run's settings
             raise CheckpointError(f"train.check: {path} differs from this run in {'; '.join(changed)}, and --check "
-                                  "compares with a run that has this run's LR schedule from step 1: drop "
+                                  "compares with a run that has this run's settings from step 1: drop "
                                   "--check, or check a run started with these settings (a new checkpoint.dir)")
         engine.load_checkpoint(path)
+        use_optimizer_settings(engine.optimizer, self.cfg.train)
+        if optimizer_changed and self.runtime.is_main:
+            logger.warning("%s: %s; the optimizer runs with this run's settings from step %d on", path,
+                           "; ".join(optimizer_changed), saved["step"] + 1)
         state = torch.load(path / "train_state.pt", weights_only=False)
-        if not changed:
+        if not schedule_changed:
             engine.scheduler.load_state_dict(state["scheduler"])
         else:
             # The saved schedule ends at its own train.steps (a cosine past its end rises again): the steps from
@@ -204,8 +218,9 @@ class Checkpointer:
             retarget_schedule(engine.scheduler, self.cfg.train, saved["step"])
             if self.runtime.is_main:
                 logger.warning("%s: %s; the LR schedule is this run's: step %d runs at lr %.2e (%.2e on the "
-                               "saved schedule), as in a run started with these settings", path, "; ".join(changed),
-                               saved["step"] + 1, engine.lr, state["scheduler"]["_last_lr"][0])
+                               "saved schedule), as in a run started with these settings", path,
+                               "; ".join(schedule_changed), saved["step"] + 1, engine.lr,
+                               state["scheduler"]["_last_lr"][0])
         sampler.load_state_dict(state["sampler"])
         rng_file = path / "rng" / f"rank{self.runtime.rank}.pt"
         if rng_file.exists():
@@ -219,6 +234,12 @@ class Checkpointer:
             logger.info("resumed from step %d (%s, saved at dp=%d × tp=%d; loaded in %.2f s)",
                         saved["step"], path, saved["dp"], saved["tp"], time.perf_counter() - start)
         return saved["step"]
+
+    def _changed(self, saved: dict, keys: dict) -> list[str]:
+        """`setting = saved there, this here` for each of `keys` whose value differs (a checkpoint without the key
+        counts as saved with this run's value)."""
+        return [f"{name} = {saved[key]} there, {self.info[key]} here" for key, name in keys.items()
+                if saved.get(key, self.info[key]) != self.info[key]]
 
     def _saved_records(self, path: Path, step: int) -> list[dict]:
         """The records of steps 1 to `step` that the checkpoint holds. train.out_dir's metrics.jsonl is no source

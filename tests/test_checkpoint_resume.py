@@ -299,6 +299,27 @@ def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(referenc
     assert "checkpoint error: train.check: " in checked.stderr and "train.steps = 8 there, 12 here" in checked.stderr
 
 
+def test_resume_with_another_weight_decay_runs_with_it(reference, tmp_path):
+    """AdamW's weight_decay and eps come back with the optimizer's state, which a resume loads: a resume with another
+    train.weight_decay ran with the saved one, silently. It runs with this run's (its losses differ from a resume as
+    saved from the step after on), a warning says so, and --check is refused, its reference having this run's
+    settings from step 1."""
+    def resumed_losses(tmp: Path, *extra: str) -> tuple[dict[int, float], str]:
+        copy_checkpoint(reference[0], 6, tmp)
+        result = run([sys.executable, "-m", "parallel.train", *job_args(tmp, "parallel.tp=1", *extra)])
+        return losses(tmp), result.stdout
+
+    as_saved, _ = resumed_losses(tmp_path / "as_saved")
+    decayed, output = resumed_losses(tmp_path / "decayed", "train.weight_decay=10.0")
+    assert "train.weight_decay = 0.0 there, 10.0 here; the optimizer runs with this run's settings" in output, output
+    assert decayed[7] == as_saved[7] and decayed[8] != as_saved[8]  # step 7's update is the first with the decay
+    saved = json.dumps(str(store.step_dir(tmp_path / "as_saved" / "ck", 6)))
+    checked = subprocess.run([sys.executable, "-m", "parallel.train", *job_args(
+        tmp_path / "checked", "parallel.tp=1", "train.weight_decay=10.0", f"checkpoint.load={saved}"), "--check"],
+        cwd=ROOT, env=env(), text=True, capture_output=True, timeout=HUNG_S)
+    assert checked.returncode == 2 and "checkpoint error: train.check: " in checked.stderr, checked.stderr[-3000:]
+
+
 def test_nothing_left_to_train_reports_nothing(reference, tmp_path):
     """The same command after the run finished, with --check: nothing to train, nothing to check, said so in one
     line; no summary or check from the records metrics.jsonl holds (here another run's), and exit code 0."""
