@@ -37,6 +37,8 @@ DATA_KEYS = {"seed": "train.seed", "seq_len": "data.seq_len", "grad_accum": "tra
 RUN_KEYS = {"norm": "train.norm", "dtype": "train.dtype"}
 # settings of the LR schedule: with values other than the saved ones, a resumed run follows its own (resume())
 SCHEDULE_KEYS = {"steps": "train.steps", "lr": "train.lr", "warmup_steps": "train.warmup_steps"}
+# where the batches come from: another corpus is this run's choice, but a resumed run says so (resume())
+CORPUS_KEYS = {"data_path": "data.path", "corpus_bytes": "data.corpus_bytes"}
 # optimizer settings: AdamW's come back with its state (param_groups), a resumed run sets its own again (resume())
 OPTIMIZER_KEYS = {"weight_decay": "train.weight_decay", "adam_eps": "train.adam_eps",
                   "max_grad_norm": "train.max_grad_norm"}
@@ -127,7 +129,9 @@ class Checkpointer:
                      "tp": tp, "global_rows": cfg.data.batch_size * dp, "config": cfg.name,
                      "dtype": cfg.train.dtype, "norm": cfg.train.norm, "model": dataclasses.asdict(cfg.model),
                      **{k: getattr(cfg.train if k != "seq_len" else cfg.data, k)
-                        for k in (*DATA_KEYS, *SCHEDULE_KEYS, *OPTIMIZER_KEYS)}}
+                        for k in (*DATA_KEYS, *SCHEDULE_KEYS, *OPTIMIZER_KEYS)},
+                     # the generated corpus's size; a file's is the file's
+                     "data_path": cfg.data.path, "corpus_bytes": None if cfg.data.path else cfg.data.corpus_bytes}
 
     # ---- resume ------------------------------------------------------------------------------------
 
@@ -199,7 +203,9 @@ class Checkpointer:
                                if self.cfg.train.check else "")
             return saved["step"]
         schedule_changed, optimizer_changed = self._changed(saved, SCHEDULE_KEYS), self._changed(saved, OPTIMIZER_KEYS)
-        changed = schedule_changed + optimizer_changed
+        # data.corpus_bytes sizes the generated corpus only: where data.path differs, that (the first) says it all
+        corpus_changed = self._changed(saved, CORPUS_KEYS)[:1]
+        changed = schedule_changed + optimizer_changed + corpus_changed
         if changed and self.cfg.train.check:  # its reference trains every step with this run's settings
             raise CheckpointError(f"train.check: {path} differs from this run in {'; '.join(changed)}, and --check "
                                   "compares with a run that has this run's settings from step 1: drop "
@@ -209,6 +215,9 @@ class Checkpointer:
         if optimizer_changed and self.runtime.is_main:
             logger.warning("%s: %s; the optimizer runs with this run's settings from step %d on", path,
                            "; ".join(optimizer_changed), saved["step"] + 1)
+        if corpus_changed and self.runtime.is_main:
+            logger.warning("%s: %s; the batches from step %d on come from this run's corpus", path,
+                           "; ".join(corpus_changed), saved["step"] + 1)
         state = torch.load(path / "train_state.pt", weights_only=False)
         if not schedule_changed:
             engine.scheduler.load_state_dict(state["scheduler"])
@@ -238,7 +247,10 @@ class Checkpointer:
     def _changed(self, saved: dict, keys: dict) -> list[str]:
         """`setting = saved there, this here` for each of `keys` whose value differs (a checkpoint without the key
         counts as saved with this run's value)."""
-        return [f"{name} = {saved[key]} there, {self.info[key]} here" for key, name in keys.items()
+        def shown(value):
+            return json.dumps(value) if isinstance(value, str) else value
+
+        return [f"{name} = {shown(saved[key])} there, {shown(self.info[key])} here" for key, name in keys.items()
                 if saved.get(key, self.info[key]) != self.info[key]]
 
     def _saved_records(self, path: Path, step: int) -> list[dict]:

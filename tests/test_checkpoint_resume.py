@@ -320,6 +320,23 @@ def test_resume_with_another_weight_decay_runs_with_it(reference, tmp_path):
     assert checked.returncode == 2 and "checkpoint error: train.check: " in checked.stderr, checked.stderr[-3000:]
 
 
+def test_resume_on_another_corpus_says_so(reference, tmp_path):
+    """A resume with another data.corpus_bytes (or data.path) draws its batches from another corpus than the saved run
+    did: a warning names the setting (it went unsaid), and --check is refused, its reference drawing every step's
+    batches from this run's corpus."""
+    copy_checkpoint(reference[0], 6, tmp_path)
+    result = run([sys.executable, "-m", "parallel.train", *job_args(tmp_path, "parallel.tp=1",
+                                                                    "data.corpus_bytes=30000")])
+    assert "data.corpus_bytes = 20000 there, 30000 here; the batches from step 7 on come from this run's corpus" \
+        in result.stdout, result.stdout[-3000:]
+    checked = subprocess.run([sys.executable, "-m", "parallel.train", *job_args(
+        tmp_path, "parallel.tp=1", "data.corpus_bytes=30000", "checkpoint.load=" + json.dumps(
+            str(store.step_dir(reference[0] / "ck", 6)))), "--check"],
+        cwd=ROOT, env=env(), text=True, capture_output=True, timeout=HUNG_S)
+    assert checked.returncode == 2, checked.stderr[-3000:]
+    assert "checkpoint error: train.check: " in checked.stderr and "data.corpus_bytes = 20000 there" in checked.stderr
+
+
 def test_nothing_left_to_train_reports_nothing(reference, tmp_path):
     """The same command after the run finished, with --check: nothing to train, nothing to check, said so in one
     line; no summary or check from the records metrics.jsonl holds (here another run's), and exit code 0."""
