@@ -74,6 +74,9 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
         # nothing to report either: out_dir's files stay as they are (metrics.start, which rewrites metrics.jsonl,
         # does not run, and main() reports only when there are records)
         return {}
+    if 0 < cfg.train.profile_step < first_step and runtime.is_main:
+        logger.warning("train.profile_step = %d is before step %d, where this run resumes: no step is profiled; set "
+                       "train.profile_step to a step from %d on", cfg.train.profile_step, first_step, first_step)
     if cfg.train.compile and runtime.is_main:
         # else the first step is silent for as long as it compiles
         logger.info("torch.compile: step %d compiles the blocks first (tiny_cpu on 2 CPU cores: 0.5 to 2 min; "

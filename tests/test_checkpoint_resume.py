@@ -337,6 +337,15 @@ def test_resume_on_another_corpus_says_so(reference, tmp_path):
     assert "checkpoint error: train.check: " in checked.stderr and "data.corpus_bytes = 20000 there" in checked.stderr
 
 
+def test_profile_step_before_the_resumed_step_says_so(reference, tmp_path):
+    """train.profile_step names a step the resumed run does not run: a warning says no step is profiled (the summary
+    had no profile, unsaid)."""
+    copy_checkpoint(reference[0], 6, tmp_path)
+    result = run([sys.executable, "-m", "parallel.train", *job_args(tmp_path, "parallel.tp=1", "train.profile_step=3")])
+    assert ("train.profile_step = 3 is before step 7, where this run resumes: no step is profiled; set "
+            "train.profile_step to a step from 7 on") in result.stdout, result.stdout[-3000:]
+
+
 def test_nothing_left_to_train_reports_nothing(reference, tmp_path):
     """The same command after the run finished, with --check: nothing to train, nothing to check, said so in one
     line; no summary or check from the records metrics.jsonl holds (here another run's), and exit code 0."""
