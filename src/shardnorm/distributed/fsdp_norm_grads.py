@@ -81,9 +81,20 @@ class FSDPShardedGrads(GradAttributeSource):
                     self._before[id(p)] = local_tensor(p.grad).float().reshape(-1).clone()
 
     def _on_sharded_grad(self, param: nn.Parameter) -> None:
-        """FSDP added its reduce-scatter output (still partial over tp) to this sharded grad: hold it."""
-        self._dirty[id(param)] = (param.grad, local_tensor(param.grad).reshape(-1).to(torch.float32, copy=True))
+        """FSDP added its reduce-scatter output (still partial over tp) to this sharded grad: hold it (no user code
+        runs before the backward ends: `end_backward` reads what FSDP left where a later change needs it)."""
+        self._dirty[id(param)] = (param.grad, None)
         self._kept_by_fsdp = False
+
+    def end_backward(self) -> None:
+        """A copy of what FSDP left in each held grad that also holds a reduced part (`_before`), which the user's
+        changes from here on are measured against (`_follow_user_changes`). A grad without a reduced part needs
+        none: whatever the user makes of it is all unreduced. The step's last backward is harvested at once, with
+        no copy."""
+        for p in self.params:
+            held, seen = self._dirty.get(id(p), (None, None))
+            if held is not None and seen is None and id(p) in self._before:
+                self._dirty[id(p)] = (held, local_tensor(held).reshape(-1).to(torch.float32, copy=True))
 
     def _follow_user_changes(self) -> None:
         """Apply to the record what the user did to the held sharded grads since FSDP wrote them, without reading
@@ -100,12 +111,13 @@ class FSDPShardedGrads(GradAttributeSource):
                 del self._dirty[id(p)]
                 self._before.pop(id(p), None)
                 continue
-            now = local_tensor(held).reshape(-1).to(torch.float32, copy=True)
             base = self._before.get(id(p))
-            if base is not None:
-                scaled = (seen != 0) & seen.isfinite()
-                ratio = torch.where(scaled, now / seen, 0.0)
-                self._before[id(p)] = torch.where(now == seen, base, torch.where(scaled, ratio * base, now))
+            if base is None or seen is None:  # all of it unreduced, or nothing changed since FSDP wrote
+                continue
+            now = local_tensor(held).reshape(-1).to(torch.float32, copy=True)
+            scaled = (seen != 0) & seen.isfinite()
+            ratio = torch.where(scaled, now / seen, 0.0)
+            self._before[id(p)] = torch.where(now == seen, base, torch.where(scaled, ratio * base, now))
             self._dirty[id(p)] = (held, now)
 
     @property
@@ -115,8 +127,8 @@ class FSDPShardedGrads(GradAttributeSource):
         if self._kept_by_fsdp:
             return True
         for p in self._unreduced():
-            now, base = self._dirty[id(p)][1], self._before.get(id(p))
-            if bool((now if base is None else now - base).any()):
+            now, base = local_tensor(p.grad).reshape(-1), self._before.get(id(p))
+            if bool((now if base is None else now.float() - base).any()):
                 return True
         return False
 

@@ -37,6 +37,10 @@ class GradSource:
     def begin_backward(self) -> None:
         """The first grad of a backward reached the reducer."""
 
+    def end_backward(self) -> None:
+        """A backward that leaves its sums for a later harvest ended (inside `accumulate`, or one that raised):
+        the user's code may change them before the next backward."""
+
     def discard(self) -> None:
         """Drop what the next harvest would take (`reducer.discard_pending`)."""
 

@@ -452,6 +452,7 @@ class NormGradReducer:
             self._lay_out_staged()
             for b in self.buckets:
                 b.stash()
+            self.source.end_backward()
             arm_step_check()
 
     def _abandon_backward(self) -> None:
@@ -474,6 +475,7 @@ class NormGradReducer:
         self._lay_out_staged()
         for b in self.buckets:
             b.stash()
+        self.source.end_backward()
         arm_step_check()
 
     def _unstash_all(self) -> None:
