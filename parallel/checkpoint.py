@@ -85,6 +85,11 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         numpy.random.set_state(states["numpy"])
 
 
+def zero_stage(deepspeed_config: str) -> int:
+    """The ZeRO stage of a DeepSpeed JSON (DeepSpeed's default: 0, no ZeRO); the config check has read it."""
+    return json.loads(Path(deepspeed_config).read_text()).get("zero_optimization", {}).get("stage", 0)
+
+
 def use_optimizer_settings(optimizer, train) -> None:
     """This run's AdamW settings in `optimizer`'s param groups: loading a checkpoint's state puts the saved ones there
     (torch's and DeepSpeed's optimizers alike). Clipping reads train.max_grad_norm each step."""
@@ -131,7 +136,9 @@ class Checkpointer:
                      **{k: getattr(cfg.train if k != "seq_len" else cfg.data, k)
                         for k in (*DATA_KEYS, *SCHEDULE_KEYS, *OPTIMIZER_KEYS)},
                      # the generated corpus's size; a file's is the file's
-                     "data_path": cfg.data.path, "corpus_bytes": None if cfg.data.path else cfg.data.corpus_bytes}
+                     "data_path": cfg.data.path, "corpus_bytes": None if cfg.data.path else cfg.data.corpus_bytes,
+                     "zero_stage": zero_stage(cfg.parallel.deepspeed_config)
+                     if cfg.parallel.engine == "deepspeed" else None}
 
     # ---- resume ------------------------------------------------------------------------------------
 
@@ -152,15 +159,28 @@ class Checkpointer:
             raise CheckpointError(error)
         return Path(found) if found else None
 
+    def _check_deepspeed_layout(self, path: Path, saved: dict) -> None:
+        """DeepSpeed's checkpoints load only on the layout that saved them: as many ranks, the same ZeRO stage."""
+        now = self.info
+        if saved["world_size"] != now["world_size"]:
+            raise CheckpointError(f"{path} was written by {saved['world_size']} DeepSpeed ranks, "
+                                  f"this run has {now['world_size']}: DeepSpeed's ZeRO partitions "
+                                  "do not reshard; resume on the same number of processes")
+        if saved.get("zero_stage", now["zero_stage"]) != now["zero_stage"]:
+            stage = saved["zero_stage"]
+            example = Path(f"configs/deepspeed/zero{stage}.json")
+            raise CheckpointError(f"parallel.deepspeed_config: {path} was saved with ZeRO stage {stage}, "
+                                  f"{self.cfg.parallel.deepspeed_config} has stage {now['zero_stage']}: DeepSpeed's "
+                                  f"checkpoints do not load into another stage; resume with a config of stage {stage}"
+                                  + (f" ({example})" if example.is_file() else ""))
+
     def _check_compatible(self, path: Path, saved: dict) -> None:
         now = self.info
         if saved["engine"] != now["engine"]:
             raise CheckpointError(f"{path} was written by parallel.engine={saved['engine']}, "
                                   f"this run is {now['engine']}")
-        if now["engine"] == "deepspeed" and saved["world_size"] != now["world_size"]:
-            raise CheckpointError(f"{path} was written by {saved['world_size']} DeepSpeed ranks, "
-                                  f"this run has {now['world_size']}: DeepSpeed's ZeRO partitions "
-                                  "do not reshard; resume on the same number of processes")
+        if now["engine"] == "deepspeed":
+            self._check_deepspeed_layout(path, saved)
         changed = {k: (v, now["model"][k]) for k, v in saved.get("model", now["model"]).items()
                    if now["model"].get(k) != v and k != "norm_keep_output"}  # that one is memory, not the model
         # loading would fail inside DCP (other shapes) or, for settings without weights, train another model

@@ -493,6 +493,26 @@ def test_deepspeed_resumes_from_its_own_checkpoint(tmp_path):
     assert resumed == ref  # steps 1 to 3 from the checkpoint's records, 4 to 6 trained again
 
 
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_deepspeed_resume_with_another_zero_stage_names_the_setting(reference, tmp_path):
+    """A DeepSpeed checkpoint of ZeRO stage 2 resumed with a stage-3 config: DeepSpeed's checkpoints do not load across
+    stages (each rank failed with an AssertionError in DeepSpeed's loader). The job's one line names the setting and
+    the stage to resume with. The checkpoint's marker, which the check reads, says stage 2."""
+    copy_checkpoint(reference[0], 6, tmp_path)
+    path = store.step_dir(tmp_path / "ck", 6)
+    marker = store.read_marker(path)
+    store.write_marker(path, {**marker, "engine": "deepspeed", "dp": 2, "tp": 1, "global_rows": 8, "zero_stage": 2})
+    result = subprocess.run(["bash", "launch/deepspeed.sh", *job_args(
+        tmp_path, "parallel.deepspeed_config=configs/deepspeed/zero3.json")], cwd=ROOT, env=env(), text=True,
+        capture_output=True, timeout=HUNG_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert result.stderr.count(f"checkpoint error: parallel.deepspeed_config: {path} was saved with ZeRO stage 2, "
+                               "configs/deepspeed/zero3.json has stage 3") == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
 def test_pruning_keeps_the_run_s_own_checkpoints(tmp_path):
     """`keep_last` counts the checkpoints up to the one just saved: a run resumed from an earlier step in a dir that
     holds a later run's checkpoints keeps its own (counting the other run's as the newest would delete the one just
