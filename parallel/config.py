@@ -8,6 +8,7 @@ config without training (launch/train.sh runs it before torchrun) and prints the
 
 import argparse
 import dataclasses
+import difflib
 import importlib.util
 import json
 import os
@@ -169,6 +170,15 @@ def _toml_hint(value, expected: type) -> str:
     return ": write a TOML number (0.001, 1e-3, 20)" if expected in (int, float) else ""
 
 
+def _meant(section: str, key: str) -> str:
+    """The key a misspelled or misplaced one most likely is: the same key in another section, else a close one."""
+    elsewhere = [f"{name}.{key}" for name, cls in SECTIONS.items()
+                 if name != section and key in {f.name for f in dataclasses.fields(cls)}]
+    close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(SECTIONS[section])], n=1)
+    meant = elsewhere[:1] or [f"{section}.{name}" for name in close]
+    return f" (did you mean {meant[0]}?)" if meant else ""
+
+
 def _section(name: str, cls, table: dict):
     if not isinstance(table, dict):
         raise ConfigError(f"{name}: expected a [{name}] table, got {table!r}")
@@ -176,7 +186,7 @@ def _section(name: str, cls, table: dict):
     values = {}
     for key, value in table.items():
         if key not in types:
-            raise ConfigError(f"{name}.{key}: unknown key; [{name}] has {', '.join(types)}")
+            raise ConfigError(f"{name}.{key}: unknown key{_meant(name, key)}; [{name}] has {', '.join(types)}")
         values[key] = _typed(f"{name}.{key}", value, types[key])
     return cls(**values)
 

@@ -142,7 +142,8 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.n_layer=2", "model.n_layer: unknown key"),
+    ("model.n_layer=2", "model.n_layer: unknown key (did you mean model.n_layers?)"),
+    ("train.seq_len=64", "train.seq_len: unknown key (did you mean data.seq_len?)"),
     ("train.steps=abc", "train.steps: expected int, got str"),
     ("train.compile=1", "train.compile: expected bool, got int"),
     # values are TOML: what it does not read as a number or a bool is a string, which says nothing of why
