@@ -300,10 +300,10 @@ def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(referenc
 
 
 def test_resume_with_another_weight_decay_runs_with_it(reference, tmp_path):
-    """AdamW's weight_decay and eps come back with the optimizer's state, which a resume loads: a resume with another
-    train.weight_decay ran with the saved one, silently. It runs with this run's (its losses differ from a resume as
-    saved from the step after on), a warning says so, and --check is refused, its reference having this run's
-    settings from step 1."""
+    """AdamW's weight_decay and eps come back with the optimizer's state, which a resume loads, so unless set again a
+    resume with another train.weight_decay would run with the saved one. It runs with this run's (its losses differ
+    from a resume as saved from the step after on), a warning says so, and --check is refused, its reference having
+    this run's settings from step 1."""
     def resumed_losses(tmp: Path, *extra: str) -> tuple[dict[int, float], str]:
         copy_checkpoint(reference[0], 6, tmp)
         result = run([sys.executable, "-m", "parallel.train", *job_args(tmp, "parallel.tp=1", *extra)])
@@ -322,8 +322,8 @@ def test_resume_with_another_weight_decay_runs_with_it(reference, tmp_path):
 
 def test_resume_on_another_corpus_says_so(reference, tmp_path):
     """A resume with another data.corpus_bytes (or data.path) draws its batches from another corpus than the saved run
-    did: a warning names the setting (it went unsaid), and --check is refused, its reference drawing every step's
-    batches from this run's corpus."""
+    did: a warning names the setting, and --check is refused, its reference drawing every step's batches from this
+    run's corpus."""
     copy_checkpoint(reference[0], 6, tmp_path)
     result = run([sys.executable, "-m", "parallel.train", *job_args(tmp_path, "parallel.tp=1",
                                                                     "data.corpus_bytes=30000")])
@@ -338,8 +338,8 @@ def test_resume_on_another_corpus_says_so(reference, tmp_path):
 
 
 def test_profile_step_before_the_resumed_step_says_so(reference, tmp_path):
-    """train.profile_step names a step the resumed run does not run: a warning says no step is profiled (the summary
-    had no profile, unsaid)."""
+    """train.profile_step names a step the resumed run does not run: a warning says no step is profiled, which the
+    summary alone leaves unsaid (it has no profile's keys)."""
     copy_checkpoint(reference[0], 6, tmp_path)
     result = run([sys.executable, "-m", "parallel.train", *job_args(tmp_path, "parallel.tp=1", "train.profile_step=3")])
     assert ("train.profile_step = 3 is before step 7, where this run resumes: no step is profiled; set "
@@ -382,7 +382,7 @@ def test_resume_reports_on_the_checkpoint_s_steps_not_out_dir_s(reference, tmp_p
                                                       ("train.out_dir", "out", "train.sh")])
 def test_a_directory_in_use_by_another_run_is_refused(tmp_path, key, directory, launcher):
     """Two runs at once in one train.out_dir interleave their metrics.jsonl lines, and in one checkpoint.dir each
-    deletes the other's checkpoint being written (a traceback): while a run holds the directory's lock, another is
+    deletes the other's checkpoint being written (a traceback then): while a run holds the directory's lock, another is
     refused at start-up, naming the setting and the run that holds it. Every rank ends with rank 0, none is left
     for torchrun to kill."""
     import fcntl
@@ -497,8 +497,8 @@ def test_deepspeed_resumes_from_its_own_checkpoint(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 def test_deepspeed_resume_with_another_zero_stage_names_the_setting(reference, tmp_path):
     """A DeepSpeed checkpoint of ZeRO stage 2 resumed with a stage-3 config: DeepSpeed's checkpoints do not load across
-    stages (each rank failed with an AssertionError in DeepSpeed's loader). The job's one line names the setting and
-    the stage to resume with. The checkpoint's marker, which the check reads, says stage 2."""
+    stages (its loader fails with an AssertionError on every rank), so the job refuses it before, with one line naming
+    the setting and the stage to resume with. The checkpoint's marker, which the check reads, says stage 2."""
     copy_checkpoint(reference[0], 6, tmp_path)
     path = store.step_dir(tmp_path / "ck", 6)
     marker = store.read_marker(path)

@@ -168,7 +168,7 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     # no process can create anything in /proc, root included (whom permission bits do not stop)
     ("train.out_dir=/proc/shardnorm-out", "train.out_dir: /proc is not writable"),
     ("checkpoint.dir=/proc/shardnorm-ck", "checkpoint.dir: /proc is not writable"),
-    # each rank failed with a traceback reading it
+    # checked before any process starts: each rank reading it would end in a traceback
     ("parallel.engine=deepspeed parallel.tp=1 parallel.deepspeed_config=configs/tiny_cpu.toml",
      "parallel.deepspeed_config: configs/tiny_cpu.toml is not valid JSON: Expecting value: line 1 column 1"),
     # a checkpoint.dir that no checkpoint would ever be saved to: known only when one is needed
