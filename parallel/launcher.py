@@ -130,15 +130,17 @@ def deepspeed_node() -> None:
     failed = []
 
     class RankProcess(subprocess.Popen):
-        """A rank's process that notes its rank (its environment's RANK) and whether it is the first seen failed."""
+        """A rank's process that notes its rank (the RANK of the environment the launcher gives it) and whether it is
+        the first seen failed. Other processes (a helper the launcher runs, such as numactl) have no rank."""
 
         def __init__(self, cmd, *args, env=None, **kwargs):
-            self.rank = int((env or os.environ).get("RANK", -1))  # the launcher reuses one env dict for every rank
+            # read now: the launcher reuses one env dict for every rank
+            self.rank = int(env["RANK"]) if env and "RANK" in env else None
             super().__init__(cmd, *args, env=env, **kwargs)
 
         def poll(self):
             code = super().poll()
-            if code and not failed:
+            if code and self.rank is not None and not failed:
                 failed.append(self)
             return code
 
