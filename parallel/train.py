@@ -17,6 +17,7 @@ from parallel.stop import Stopped, StopSignals
 STOP = StopSignals() if __name__ == "__main__" else None
 
 import contextlib  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -125,7 +126,9 @@ def check(records: list[dict], reference: list[float], rtol: float) -> dict:
     """Each logged step's loss against the reference's loss of the same step."""
     losses = [r["loss"] for r in records]
     reference = [reference[r["step"] - 1] for r in records]
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    differences = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    # a NaN compares false with everything: max() would pass it by unless it came first
+    worst = math.nan if any(map(math.isnan, differences)) else max(differences)
     passed = worst <= rtol
     logger.info("check: max relative loss difference vs single-process torch norms over %d "
                 "steps: %.3e (rtol %.0e) %s", len(losses), worst, rtol,

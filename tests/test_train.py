@@ -382,3 +382,16 @@ def test_config_file_that_cannot_be_read_is_named(tmp_path, config, message):
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("config error: ") and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("nan_at", [0, 2])
+def test_check_fails_on_a_nan_loss(nan_at):
+    """A step whose loss is NaN (in the run or its reference) fails --check wherever it is: max() over relative
+    differences passes a NaN by, unless it comes first, as NaN compares false with everything."""
+    from parallel.train import check
+
+    reference = [5.0, 4.0, 3.0, 2.5]
+    records = [{"step": step, "loss": loss} for step, loss in enumerate(reference, start=1)]
+    records[nan_at]["loss"] = float("nan")
+    assert not check(records, reference, 1e-4)["check_passed"]
+    assert not check([{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}], [5.0, float("nan")], 1e-4)["check_passed"]
