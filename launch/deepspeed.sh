@@ -16,9 +16,12 @@ if (( $# == 0 )); then
   echo "usage: launch/deepspeed.sh CONFIG [section.key=value ...] (launch/deepspeed.sh --help)" >&2
   exit 2
 fi
+# a stop before the launcher takes over the signals: the exit code a stopped job has (the Python steps print its line)
+trap 'exit 130' INT
+trap 'exit 143' TERM
 source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
 
-GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+GPUS=$("$PY" -m parallel.launcher gpus)  # a Ctrl-C meanwhile: one line, exit code 130
 if (( GPUS == 0 )); then
   export DS_ACCELERATOR=cpu
 fi

@@ -21,9 +21,12 @@ for arg in "$@"; do
     exit 0
   fi
 done
+# a stop before the launcher takes over the signals: the exit code a stopped job has (the Python steps print its line)
+trap 'exit 130' INT
+trap 'exit 143' TERM
 source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
 
-GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+GPUS=$("$PY" -m parallel.launcher gpus)  # a Ctrl-C meanwhile: one line, exit code 130
 NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 2 ))}
 "$PY" -m parallel.config --world-size "$NPROC" "$@" > /dev/null
 exec "$PY" -m parallel.launcher torchrun --standalone --nproc-per-node "$NPROC" -m parallel.train "$@"

@@ -1,6 +1,7 @@
 """The launchers of launch/train.sh (torchrun) and launch/deepspeed.sh (DeepSpeed's runner), quiet about a stop.
 
     python -m parallel.launcher torchrun|deepspeed LAUNCHER_ARGUMENTS...
+    python -m parallel.launcher gpus      the number of GPUs the scripts start one process each on
 
 (`deepspeed_node` is what the `deepspeed` one starts on this machine in place of DeepSpeed's node launcher.)
 
@@ -158,10 +159,17 @@ def deepspeed_node() -> None:
         raise
 
 
+def gpus() -> None:
+    """The visible GPUs' count, for the scripts: torch's import takes seconds, which a Ctrl-C may fall in."""
+    import torch
+
+    print(torch.cuda.device_count())
+
+
 def main() -> None:
     which, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
     try:
-        {"torchrun": torchrun, "deepspeed": deepspeed, "deepspeed_node": deepspeed_node}[which]()
+        {"torchrun": torchrun, "deepspeed": deepspeed, "deepspeed_node": deepspeed_node, "gpus": gpus}[which]()
     except KeyboardInterrupt:  # Ctrl-C before the launcher took over the signals: no rank has started yet
         print("stopped by SIGINT before the ranks started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)

@@ -395,3 +395,27 @@ def test_check_fails_on_a_nan_loss(nan_at):
     records[nan_at]["loss"] = float("nan")
     assert not check(records, reference, 1e-4)["check_passed"]
     assert not check([{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}], [5.0, float("nan")], 1e-4)["check_passed"]
+
+
+@pytest.mark.parametrize("script", ["train.sh", pytest.param("deepspeed.sh", marks=pytest.mark.deepspeed)])
+def test_ctrl_c_before_the_ranks_start_is_one_line(tmp_path, script):
+    """Ctrl-C while the launcher script looks for GPUs (its `import torch` takes seconds): one line and the exit code
+    130, as for a Ctrl-C in the launcher itself, not a KeyboardInterrupt traceback from the middle of torch's import.
+    A `torch` first on the path that blocks on import, once it says so, stands in for torch's import."""
+    import signal
+    import time
+
+    ready = tmp_path / "importing"
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"import time\nopen({str(ready)!r}, 'w').close()\n"
+                                                    "time.sleep(600)\n")
+    env = os.environ | {"PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
+    job = subprocess.Popen(["bash", f"launch/{script}", TINY], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, start_new_session=True)
+    while not ready.exists():
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGINT)  # as a terminal sends Ctrl-C: to the whole foreground process group
+    out, err = job.communicate(timeout=HUNG_S)
+    assert job.returncode == 128 + signal.SIGINT, out[-2000:] + err[-2000:]
+    assert err.strip() == "stopped by SIGINT before the ranks started", err[-3000:]
