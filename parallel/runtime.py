@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import resource
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -50,12 +51,18 @@ class Runtime:
     def memory_kind(self) -> str:
         return "cuda max allocated" if self.device.type == "cuda" else "process max RSS"
 
-    def mean_over_ranks(self, value: float) -> float:
+    def mean_over_ranks(self, value: float, signum: int | None = None) -> tuple[float, int | None]:
+        """The mean of `value` over the ranks, and the stop signal that some rank has noted (`signum`: this rank's
+        or None; SIGTERM where ranks noted both): in the same all-reduce, so that every rank learns of a stop at the
+        same step (parallel/stop.py, `StopSignals.deferred`)."""
         if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            return value, signum
+        t = torch.tensor([value, signum == signal.SIGINT, signum == signal.SIGTERM], dtype=torch.float64,
+                         device=self.device)
         dist.all_reduce(t)  # SUM: gloo has no AVG
-        return t.item() / self.world_size
+        total, interrupted, terminated = t.tolist()
+        noted = signal.SIGTERM if terminated else signal.SIGINT if interrupted else None
+        return total / self.world_size, noted
 
     def from_main(self, value):
         """Rank 0's `value` (any picklable object) on every rank."""

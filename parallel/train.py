@@ -59,9 +59,10 @@ def build_engine(cfg: Config, runtime: Runtime, dp: int, tp: int):
     return engine, mesh["dp"].get_local_rank()
 
 
-def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: int) -> dict:
+def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: int, stop: StopSignals) -> dict:
     """Run the steps (after resuming from a checkpoint, if there is one); returns the profiled
-    step's norm-grad collectives (empty without train.profile_step)."""
+    step's norm-grad collectives (empty without train.profile_step). A stop signal during the steps ends them
+    on every rank at the same step's loss all-reduce (`StopSignals.deferred`), raising `Stopped`."""
     engine, dp_rank = build_engine(cfg, runtime, dp, tp)
     collectives: dict = {}
     tokens = load_tokens(cfg.data.path, cfg.data.corpus_bytes, cfg.train.seed)
@@ -84,31 +85,34 @@ def train(cfg: Config, runtime: Runtime, metrics: MetricsLogger, dp: int, tp: in
                     "longer for larger models), the steps after it run compiled", first_step)
     metrics.start(first_step, checkpointer.records)
     tokens_per_step = dp * cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum
-    for step in range(first_step, cfg.train.steps + 1):
-        micro_batches = sampler.next_step(runtime.device)
-        runtime.reset_peak_memory()
-        start = runtime.now()
-        lr = engine.lr
-        profiled = step == cfg.train.profile_step
-        profiler = (profiled_collectives(runtime.device.type == "cuda",
-                                         str(cfg.out_dir / f"profile_rank{runtime.rank}.json.gz"))
-                    if profiled else contextlib.nullcontext())
-        with phase(f"step {step}: forward, backward and optimizer step"), profiler as found:
-            loss = engine.step(micro_batches)
-        seconds = runtime.now() - start
-        if profiled:
-            collectives = {"profiled_step": step, **found}
-            if runtime.is_main:
-                logger.info("step %d norm-grad collectives: %s", step, found)
-        with phase(f"step {step}: the loss all-reduce"):
-            mean_loss = runtime.mean_over_ranks(loss)
-        metrics.log_step({"step": step, "loss": mean_loss, "lr": lr,
-                          "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / seconds,
-                          "step_time_s": seconds, "host_ms": engine.host_ms,
-                          "peak_mem_gib": runtime.peak_memory_gib(),
-                          **({"profiled": True} if profiled else {})})
-        with phase(f"step {step}: saving a checkpoint"):
-            checkpointer.after_step(step, engine, sampler, metrics.records)
+    with stop.deferred():  # a stop ends the steps on every rank at the same step's loss all-reduce
+        for step in range(first_step, cfg.train.steps + 1):
+            micro_batches = sampler.next_step(runtime.device)
+            runtime.reset_peak_memory()
+            start = runtime.now()
+            lr = engine.lr
+            profiled = step == cfg.train.profile_step
+            profiler = (profiled_collectives(runtime.device.type == "cuda",
+                                             str(cfg.out_dir / f"profile_rank{runtime.rank}.json.gz"))
+                        if profiled else contextlib.nullcontext())
+            with phase(f"step {step}: forward, backward and optimizer step"), profiler as found:
+                loss = engine.step(micro_batches)
+            seconds = runtime.now() - start
+            if profiled:
+                collectives = {"profiled_step": step, **found}
+                if runtime.is_main:
+                    logger.info("step %d norm-grad collectives: %s", step, found)
+            with phase(f"step {step}: the loss all-reduce"):
+                mean_loss, signum = runtime.mean_over_ranks(loss, stop.signum)
+            metrics.log_step({"step": step, "loss": mean_loss, "lr": lr,
+                              "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / seconds,
+                              "step_time_s": seconds, "host_ms": engine.host_ms,
+                              "peak_mem_gib": runtime.peak_memory_gib(),
+                              **({"profiled": True} if profiled else {})})
+            if signum is not None:  # every rank here, this step
+                raise Stopped(signum)
+            with phase(f"step {step}: saving a checkpoint"):
+                checkpointer.after_step(step, engine, sampler, metrics.records)
     return collectives
 
 
@@ -177,7 +181,7 @@ def main() -> None:
         setup_logging(runtime.is_main)
         hold_run_dirs(cfg, runtime.is_main, runtime.from_main)
         metrics = MetricsLogger(cfg.out_dir, cfg.train.steps, runtime.is_main, cfg.train.tensorboard)
-        collectives = train(cfg, runtime, metrics, dp, tp)
+        collectives = train(cfg, runtime, metrics, dp, tp, stop)
         shutdown()
         if runtime.is_main and metrics.records:
             report(cfg, runtime, metrics, world_size, dp, tp, collectives)
@@ -187,6 +191,11 @@ def main() -> None:
             print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
         sys.exit(REPORTED)  # the launcher adds nothing to the error
     except BaseException as error:
+        if isinstance(error, Stopped):  # said before the shutdown, which a launcher stopping the ranks may cut short
+            _say_stopped(cfg, metrics, error.signum)
+            with contextlib.suppress(Stopped):  # a second signal
+                shutdown(wait_for_peers=False)
+            sys.exit(128 + error.signum)  # the shell's code for a process ended by the signal
         try:
             shutdown(wait_for_peers=False)  # the launcher stops the other ranks
             # a collective that failed because a peer has left: that peer may have been stopped before this rank
@@ -196,12 +205,17 @@ def main() -> None:
             signum = stop.signum
         if signum is None:
             raise
-        if os.environ.get("RANK", "0") == "0":
-            done = metrics.records[-1]["step"] if metrics and metrics.records else 0
-            logger.warning("stopped by %s %s; %s", signal.Signals(signum).name,
-                           f"after step {done} of {cfg.train.steps}" if done else "before the first step",
-                           resume_hint(cfg))
-        sys.exit(128 + signum)  # the shell's code for a process ended by the signal
+        _say_stopped(cfg, metrics, signum)
+        sys.exit(128 + signum)
+
+
+def _say_stopped(cfg: Config, metrics: MetricsLogger | None, signum: int) -> None:
+    """Rank 0's one line for a stop: after which step, and what the same command resumes from."""
+    if os.environ.get("RANK", "0") == "0":
+        done = metrics.records[-1]["step"] if metrics and metrics.records else 0
+        logger.warning("stopped by %s %s; %s", signal.Signals(signum).name,
+                       f"after step {done} of {cfg.train.steps}" if done else "before the first step",
+                       resume_hint(cfg))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallel import checkpoint_store as store
@@ -445,6 +446,42 @@ def test_latest_skips_torn_and_partial_directories(reference, tmp_path):
     assert str(store.temp_dir(tmp_path, 10)) in warnings[0] and "partial" in warnings[0]
     assert f"{store.step_dir(tmp_path, 8)} is torn" in warnings[1]
     assert store.latest(tmp_path / "nothing") is None
+
+
+def _one_rank_signalled(rank: int, port: int, out) -> None:
+    """Steps as train.py runs them: a loss all-reduce per step, under `StopSignals.deferred`. Rank 1 alone gets
+    SIGTERM during step 3; out[rank] = (the step this rank stopped at, the signal)."""
+    from parallel.runtime import init_runtime
+    from parallel.stop import Stopped, StopSignals
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    stop = StopSignals()
+    stop.arm()
+    runtime = init_runtime(timeout_s=60)
+    step = 0
+    try:
+        with stop.deferred():
+            for step in range(1, 10):
+                if rank == 1 and step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)  # a step's work goes on: the stop waits for its all-reduce
+                    time.sleep(0.2)
+                _, signum = runtime.mean_over_ranks(float(step), stop.signum)
+                if signum is not None:
+                    raise Stopped(signum)
+    except Stopped as stopped:
+        out[rank] = (step, stopped.signum)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stop_signal_to_one_rank_stops_every_rank_at_the_same_step():
+    """A signal reaching one rank only (a scheduler preempting one node; a launcher stopping its ranks one after
+    the other) stops every rank after the same step's all-reduce, which carries it, so that no rank is left
+    waiting in a collective its peer has left (on NCCL a rank then waits where no Python signal handler runs)."""
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_one_rank_signalled, args=(free_port(), out), nprocs=2)
+    assert dict(out) == {0: (3, signal.SIGTERM), 1: (3, signal.SIGTERM)}
 
 
 def _hung_peer(rank: int, port: int, started, done) -> None:
