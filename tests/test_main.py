@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 HUNG_S = 600  # for a hung process, not a slow one: the report takes seconds
 
 
-def report(*args: str, **env_vars: str) -> subprocess.CompletedProcess:
+def report(*args: str, status: int = 0, **env_vars: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            **env_vars}
     result = subprocess.run([sys.executable, "-m", "shardnorm", *args], cwd=ROOT, env=env, text=True,
                             capture_output=True, timeout=HUNG_S)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == status, result.stderr[-3000:]
     return result
 
 
@@ -50,7 +50,8 @@ def test_model_lists_what_convert_would_convert(tmp_path):
 
 def test_model_report_builds_the_class_the_checkpoint_names(tmp_path):
     """An encoder-decoder saved with its `architectures` (as a checkpoint is): the report builds that class and counts
-    its norms (it built BartForCausalLM, the decoder alone: 37 of 62); a dir without a config says so in one line."""
+    its norms (it built BartForCausalLM, the decoder alone: 37 of 62); a dir without a config says so in one line,
+    and the command exits 1."""
     transformers = pytest.importorskip("transformers")
     config = transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2,
                                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
@@ -61,5 +62,5 @@ def test_model_report_builds_the_class_the_checkpoint_names(tmp_path):
     out = report("--model", str(tmp_path / "bart")).stdout
     assert f"{tmp_path / 'bart'}: BartForConditionalGeneration" in out, out
     assert re.search(rf"^convert would convert +{expected} norm module\(s\)", out, re.M), out
-    result = report("--model", str(tmp_path / "missing"))
+    result = report("--model", str(tmp_path / "missing"), status=1)  # a script checking the model learns it too
     assert "no model config could be read" in result.stdout and "Traceback" not in result.stderr, result.stderr

@@ -81,18 +81,22 @@ def environment() -> list[tuple[str, str]]:
     return rows + _kernels(current)
 
 
+class NoModelReport(Exception):
+    """`--model` names nothing that can be reported on: the report's row says why, and the command exits 1."""
+
+
 def model_report(model_id: str) -> list[tuple[str, str]]:
     """What `shardnorm.convert` would convert in the Hugging Face model `model_id` (a hub id or a local dir)."""
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     except ImportError:
-        return [("model", "transformers is not installed (pip install 'shardnorm[hf]')")]
+        raise NoModelReport("transformers is not installed (pip install 'shardnorm[hf]')") from None
     import transformers
 
     try:
         config = AutoConfig.from_pretrained(model_id)  # a hub id downloads config.json alone
     except (OSError, ValueError) as error:
-        return [("model", f"{model_id}: no model config could be read ({type(error).__name__}: {error})")]
+        raise NoModelReport(f"{model_id}: no model config could be read ({type(error).__name__}: {error})") from None
     # the class the checkpoint names (an encoder-decoder's conditional generation model, a multimodal one), else
     # a causal LM, else the bare model
     named = [getattr(transformers, name, None) for name in (getattr(config, "architectures", None) or [])]
@@ -116,18 +120,24 @@ def model_report(model_id: str) -> list[tuple[str, str]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Prints the report; exit status 1 where `--model` could not be reported on (a script checking a model id
+    learns it from the status, as from the report's row)."""
     parser = argparse.ArgumentParser(prog="python -m shardnorm", description=__doc__.split("\n")[0])
     parser.add_argument("--model", metavar="ID_OR_PATH",
                         help="a Hugging Face model id or local directory: list what shardnorm.convert would convert")
     args = parser.parse_args(argv)
-    rows = environment()
+    rows, status = environment(), 0
     if args.model:
-        rows += model_report(args.model)
+        try:
+            rows += model_report(args.model)
+        except NoModelReport as error:
+            rows, status = rows + [("model", str(error))], 1
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
