@@ -6,6 +6,7 @@ Collectives are counted by wrapping `torch.distributed.all_reduce` (the real one
 sequence-parallel stack below issues no other all_reduce, so every call counted is a norm-grad reduction.
 """
 
+import warnings
 from contextlib import nullcontext
 
 import pytest
@@ -698,7 +699,10 @@ def test_attach_reducer_tags_only_the_norm_params():
     from shardnorm.distributed.grad_sources import REDUCER_ATTR
 
     model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), NormStack(), nn.Linear(HIDDEN, 2))
-    reducer = attach_reducer(model)
+    # not parallelized: its norm parameters are no sequence-parallel ones (attached before parallelize_module, the
+    # reducer would reduce nothing, silently)
+    with pytest.warns(UserWarning, match="found no sequence-parallel norm parameter .* Call attach_reducer after"):
+        reducer = attach_reducer(model)
     assert reducer_of(model) is reducer
     for name, p in model.named_parameters():
         owned = name.startswith("1.norms.")
@@ -734,7 +738,10 @@ def _deep_copies(rank, world_size, seed):
         parallelize_module(model, mesh, {"norm": SequenceParallelNorm(output_layouts=Replicate()),
                                          "up": RegatherColwiseParallel(),
                                          "out": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
-        attach_reducer(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            attach_reducer(model)
+        assert not [w for w in caught if "no sequence-parallel" in str(w.message)], [str(w.message) for w in caught]
         x = distribute_tensor(torch.randn(2, 4 * world_size, HIDDEN, device=rank_device(rank)), mesh, [Shard(1)])
 
         def step(m):

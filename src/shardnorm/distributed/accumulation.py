@@ -2,12 +2,14 @@
 one constructor, whatever the grad source), so `accumulate`, `finalize_grads` and `discard_pending` find it
 whoever built it."""
 
+import warnings
 from contextlib import ExitStack, contextmanager
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradSource, mark_bound, restore_marks
+from shardnorm.distributed.grad_sources import (REDUCER_ATTR, GradSource, NormBackward, grad_sink, mark_bound,
+                                               restore_marks)
 from shardnorm.distributed.reducer import DEFAULT_BUCKET_CAP_MB, NormGradReducer, ReduceMode
 from shardnorm.modules import LayerNorm, RMSNorm
 
@@ -29,9 +31,17 @@ def attach_reducer(model: nn.Module, *, source: GradSource | None = None,
     norms = _norms(model)
     for norm in norms:
         restore_marks(norm)
-    reducer.source.bind([p for norm in norms for p in norm.parameters(recurse=False)])
+    params = [p for norm in norms for p in norm.parameters(recurse=False)]
+    reducer.source.bind(params)
     for norm in norms:
         mark_bound(norm, reducer)
+    if isinstance(reducer.source, NormBackward) and params and all(grad_sink(p) is None for p in params):
+        # e.g. attached before parallelize_module: the plan's new parameters are not the ones offered here
+        warnings.warn(f"shardnorm: attach_reducer found no sequence-parallel norm parameter among the "
+                      f"{len(params)} of {type(model).__name__}'s {len(norms)} shardnorm norm(s), so its reducer "
+                      f"reduces nothing (their grads stay as without it). Call attach_reducer after parallelizing "
+                      f"the model (parallelize_module with SequenceParallelNorm), and again after re-parallelizing",
+                      UserWarning, stacklevel=2)
     return reducer
 
 
