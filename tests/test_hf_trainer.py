@@ -219,3 +219,24 @@ def test_enable_refuses_a_trainer_with_model_init(tmp_path):
     trainer = Trainer(model_init=lambda: LlamaForCausalLM(config), args=args)
     with pytest.raises(ValueError, match="has a model_init, which train\\(\\) calls to build a new model"):
         enable(trainer)
+
+
+def test_enable_twice_asks_for_nothing_new(tmp_path):
+    """A second enable(trainer) returns the converted model with the same options and refuses other ones, naming
+    them (it changed nothing, silently: the model was converted, its reducer built, by the first)."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from shardnorm.integrations.transformers import enable
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2)
+    transformers.logging.set_verbosity_error()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no")
+    trainer = Trainer(model=LlamaForCausalLM(config), args=args)
+    model = enable(trainer)
+    assert enable(trainer) is model
+    with pytest.raises(ValueError, match=r"ran for this Trainer already.*keep_output=False \(enabled with True\)"):
+        enable(trainer, keep_output=False)
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=4 \(enabled with "):
+        enable(trainer, bucket_cap_mb=4)

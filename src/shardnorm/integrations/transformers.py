@@ -315,7 +315,13 @@ def enable(trainer, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, keep_output
     ties norm-grad reduction to the Trainer's micro-batches. `keep_output=False`: the norms recompute their outputs
     in backward instead of keeping them. Returns the model.
     """
-    if getattr(trainer, "_shardnorm_enabled", False):
+    options = {"bucket_cap_mb": bucket_cap_mb, "keep_output": keep_output}
+    enabled = getattr(trainer, "_shardnorm_enabled", None)
+    if enabled is not None:  # the model is converted: a second call changes nothing, so it must ask for nothing new
+        changed = [f"{k}={v!r} (enabled with {enabled[k]!r})" for k, v in options.items() if enabled[k] != v]
+        if changed:
+            raise ValueError(f"shardnorm: enable(trainer) ran for this Trainer already; its model is converted and "
+                             f"the options stay those of that call: {', '.join(changed)}")
         return trainer.model
     if getattr(trainer, "model_init", None) is not None:
         raise ValueError("shardnorm: enable(trainer) converts trainer.model, but this Trainer has a model_init, "
@@ -328,5 +334,5 @@ def enable(trainer, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, keep_output
     if tp_norms:
         bind_accumulation(model, trainer.accelerator)
         trainer.add_callback(ShardnormCallback(model))
-    trainer._shardnorm_enabled = True
+    trainer._shardnorm_enabled = options
     return model
