@@ -390,3 +390,17 @@ def test_accelerate_dispatched_model_is_refused_naming_the_hook():
     accelerate.dispatch_model(model, device_map={"": "cpu"}, force_hooks=True)
     with pytest.raises(NormWrapperError, match="Accelerate's device hook .*convert it before dispatching"):
         shardnorm.convert(model)
+
+
+def test_a_float64_norm_is_left_alone_with_the_reason():
+    """shardnorm's norms take float32, bfloat16 and float16: a float64 norm converted would fail at its first
+    forward, so convert leaves it alone, says why, and the model runs as it did (against a copy never converted)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).double()
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="left 1 norm module.*LayerNorm x1: its parameters are float64, and "
+                                         "shardnorm's norms take float32"):
+        result = shardnorm.convert(model)
+    assert result.count == 0 and type(model[1]) is torch.nn.LayerNorm
+    x = torch.randn(3, 8, dtype=torch.float64)
+    assert torch.equal(model(x), reference(x))

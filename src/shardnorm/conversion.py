@@ -17,6 +17,7 @@ import torch
 
 from ._torch_compat import child_modules, is_dtensor, module_hooks, own_buffers
 from . import output_recompute
+from .functional import SUPPORTED_DTYPES
 from .modules import LayerNorm, RMSNorm
 from .norm_families import KNOWN, Extra, NormFamily, lookup, mismatch
 
@@ -100,7 +101,15 @@ def _plan(module: torch.nn.Module, extra: Optional[Extra]) -> tuple:
             return None, f"a subclass of torch.nn.{kind} (its forward may differ); pass extra={{cls: family}} if not"
         return None, ("not in shardnorm's table of norm classes (shardnorm.norm_families); pass "
                       "extra={cls: family} to convert it if its forward is one of the families")
-    return (None, reason) if (reason := mismatch(module, family)) else (family, None)
+    if reason := mismatch(module, family):
+        return None, reason
+    # converted, it would fail at its first forward; left alone, the model runs as it did
+    unsupported = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters(recurse=False)
+                          if p.dtype not in SUPPORTED_DTYPES})
+    if unsupported:
+        return None, (f"its parameters are {', '.join(unsupported)}, and shardnorm's norms take float32, bfloat16 "
+                      f"and float16 (convert after casting the model)")
+    return family, None
 
 
 _HALF = (torch.float16, torch.bfloat16)
