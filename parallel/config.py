@@ -277,6 +277,7 @@ def validate(cfg: Config) -> None:
                        ("train.max_grad_norm", t.max_grad_norm), ("train.check_rtol", t.check_rtol),
                        ("train.timing_skip", t.timing_skip), ("model.norm_eps", m.norm_eps)]:
         _check(value >= 0, key, f"must not be negative, got {value}")
+    _check(0 <= t.seed < 2**64, "train.seed", f"must be from 0 to 2**64 - 1 (torch's seeds), got {t.seed}")
     _check(0 <= t.profile_step <= t.steps, "train.profile_step",
            f"must be 0 (off) or a step number up to train.steps ({t.steps}), got {t.profile_step}")
     _check(p.timeout_s > 0, "parallel.timeout_s", f"must be positive, got {p.timeout_s}")

@@ -150,6 +150,9 @@ def check_config(*args: str) -> subprocess.CompletedProcess:
     ("train.lr=.001", "train.lr: expected float, got str '.001': write a TOML number (0.001, 1e-3, 20)"),
     ("train.check=True", "train.check: expected bool, got str 'True': write true or false"),
     ("train.norm=apex", "train.norm: 'apex' is not one of shardnorm, torch"),
+    # torch takes seeds below 2**64 (and ended in a traceback per rank at the first one above)
+    ("train.seed=18446744073709551616", "train.seed: must be from 0 to 2**64 - 1 (torch's seeds), got "
+     "18446744073709551616"),
     ("optim.lr=1", "optim: unknown section"),
     ("train.steps", "override 'train.steps': expected section.key=value"),
     ("model.n_kv_heads=3", "model.n_kv_heads: 3 does not divide model.n_heads"),
