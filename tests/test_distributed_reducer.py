@@ -475,9 +475,18 @@ def _step_with_pending_partials(mesh, seed, counter):
     other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.0)
     other.step()  # an optimizer that holds none of the reducer's parameters is not concerned
     shardnorm.finalize_grads(model)
+    # gone with the pending sums, before any step: a compiled optimizer step breaks its graph on a global hook
+    assert _step_checks() == 0, "the step check stayed after finalize_grads"
     _check_grads(model, ref, "finalize_grads after the refused step")
     opt.step()
-    assert _step_checks() == 0, "the step check stayed after the grads were reduced"
+    opt.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    with shardnorm.accumulate(model):
+        _micro_batch(model, ref, mesh, *_data())
+    assert _step_checks() == 1, "grads pending and no step check"
+    _micro_batch(model, ref, mesh, *_data())  # the step's last backward reduces the grads at its end
+    assert _step_checks() == 0, "the step check stayed after the step's last backward reduced the grads"
+    _check_grads(model, ref, "the step's last backward outside accumulate")
     opt.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
 

@@ -299,6 +299,7 @@ class NormGradReducer:
         self._backward_task: int | None = None  # autograd graph task whose end we wait for
         self._run: weakref.ref | None = None  # that backward's `_BackwardRun`, held by its end callback
         self._syncing = False
+        self._left_pending = False  # an accumulating backward left sums for the step; finalize or discard takes them
         self.source = source if source is not None else NormBackward()
         if reduce == "per_layer" and not isinstance(self.source, NormBackward):
             raise ValueError(f"shardnorm: reduce='per_layer' reduces grads pushed by the norms' backward; the "
@@ -356,6 +357,8 @@ class NormGradReducer:
         for b in self.buckets:
             b.dirty = False
         self.source.discard()
+        self._left_pending = False
+        release_step_check()
 
     # ---- called by sources, from backward ----------------------------------------------------------------
 
@@ -453,6 +456,7 @@ class NormGradReducer:
             for b in self.buckets:
                 b.stash()
             self.source.end_backward()
+            self._left_pending = True
             arm_step_check()
 
     def _abandon_backward(self) -> None:
@@ -476,6 +480,7 @@ class NormGradReducer:
         for b in self.buckets:
             b.stash()
         self.source.end_backward()
+        self._left_pending = True
         arm_step_check()
 
     def _unstash_all(self) -> None:
@@ -560,6 +565,8 @@ class NormGradReducer:
             _add_into(slots, flat)
         for b in self.buckets:
             b.write_grads()
+        self._left_pending = False
+        release_step_check()
 
 
 class _BackwardRun:
@@ -586,6 +593,16 @@ def arm_step_check() -> None:
     global _step_check
     if _step_check is None:
         _step_check = register_optimizer_step_pre_hook(_refuse_pending_step)
+
+
+def release_step_check() -> None:
+    """The hook goes as soon as no reducer is left with sums by an accumulating backward (finalized or discarded;
+    read on the host), not at the next optimizer step: while it is there a compiled optimizer step breaks its graph
+    on it, and every optimizer of the process runs it."""
+    global _step_check
+    if _step_check is not None and not any(r._left_pending for r in list(_REDUCERS)):
+        _step_check.remove()
+        _step_check = None
 
 
 def _refuse_pending_step(optimizer, args, kwargs) -> None:
