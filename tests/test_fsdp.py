@@ -300,6 +300,16 @@ def test_fsdp_tp2_pending_partial_sums():
     spawn(_tp2_pending, 2, seed)
 
 
+def _finalized_grads(model) -> dict[str, torch.Tensor]:
+    """The step's grads after `finalize_grads`: name -> full grad, then .grad None again."""
+    shardnorm.finalize_grads(model)
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = p.grad.full_tensor().cpu()
+        p.grad = None
+    return grads
+
+
 def _in_place_grad_step(model, micro_batches) -> dict[str, torch.Tensor]:
     """One step of 3 micro-batches, the first two inside accumulate(fsdp_sync=True), the grads zeroed with
     `p.grad.zero_()` after the first and scaled with `p.grad.mul_(0.5)` after the second, outside no_grad, as
@@ -315,12 +325,7 @@ def _in_place_grad_step(model, micro_batches) -> dict[str, torch.Tensor]:
                 ops[i](p.grad)
             if i == 0:
                 assert not pending_grads(model), pending_grads(model)  # zeroed: nothing left to reduce
-    shardnorm.finalize_grads(model)
-    grads = {}
-    for name, p in model.named_parameters():
-        grads[name] = p.grad.full_tensor().cpu()
-        p.grad = None
-    return grads
+    return _finalized_grads(model)
 
 
 # what a loop does to a `.grad` kept from the last step, mid-step; the first two bump no version counter
@@ -344,12 +349,7 @@ def _kept_grad_step(model, micro_batches, change: str) -> dict[str, torch.Tensor
             KEPT_GRAD_CHANGES[change](model, optimizer)
             if "zero" in change:
                 assert not pending_grads(model), f"{change}: {pending_grads(model)}"
-    shardnorm.finalize_grads(model)
-    grads = {}
-    for name, p in model.named_parameters():
-        grads[name] = p.grad.full_tensor().cpu()
-        p.grad = None
-    return grads
+    return _finalized_grads(model)
 
 
 def _tp2_in_place(rank, world_size, seed):
