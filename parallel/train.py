@@ -211,11 +211,19 @@ def main() -> None:
 
 def _say_stopped(cfg: Config, metrics: MetricsLogger | None, signum: int) -> None:
     """Rank 0's one line for a stop: after which step, and what the same command resumes from."""
-    if os.environ.get("RANK", "0") == "0":
-        done = metrics.records[-1]["step"] if metrics and metrics.records else 0
-        logger.warning("stopped by %s %s; %s", signal.Signals(signum).name,
-                       f"after step {done} of {cfg.train.steps}" if done else "before the first step",
-                       resume_hint(cfg))
+    if os.environ.get("RANK", "0") != "0":
+        return
+    done = metrics.records[-1]["step"] if metrics and metrics.records else 0
+    name = signal.Signals(signum).name
+    if done < cfg.train.steps:
+        logger.warning("stopped by %s %s; %s", name, f"after step {done} of {cfg.train.steps}" if done else
+                       "before the first step", resume_hint(cfg))
+        return
+    # in the report: a checkpoint of the last step resumes with nothing to train, and so reports nothing
+    logger.warning("stopped by %s after the last step (%d), in the run's report (summary.json, loss.png%s): "
+                   "metrics.jsonl in %s holds every step; a resume from a checkpoint of the last step trains "
+                   "nothing and reports nothing", name, done, ", --check's reference run" if cfg.train.check else "",
+                   cfg.out_dir)
 
 
 if __name__ == "__main__":

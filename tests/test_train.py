@@ -425,3 +425,25 @@ def test_ctrl_c_before_the_ranks_start_is_one_line(tmp_path, script):
     out, err = job.communicate(timeout=HUNG_S)
     assert job.returncode == 128 + signal.SIGINT, out[-2000:] + err[-2000:]
     assert err.strip() == "stopped by SIGINT before the ranks started", err[-3000:]
+
+
+def test_a_stop_in_the_report_says_a_resume_trains_nothing(tmp_path, caplog):
+    """A stop after the last step (in the summary or --check's reference run) names no step to resume after: a
+    checkpoint of the last step resumes with nothing to train and reports nothing, so "the same command resumes"
+    would send the user to a run that never checks."""
+    import logging
+    import signal
+
+    from parallel.config import load
+    from parallel.train import _say_stopped
+
+    cfg = load(TINY, ["train.steps=3", f"train.out_dir={json.dumps(str(tmp_path))}", "train.check=true"])
+
+    class Records:
+        records = [{"step": s} for s in (1, 2, 3)]
+
+    with caplog.at_level(logging.WARNING):
+        _say_stopped(cfg, Records(), signal.SIGINT)
+    assert "stopped by SIGINT after the last step (3), in the run's report (summary.json, loss.png, --check's " \
+           "reference run)" in caplog.text, caplog.text
+    assert "trains nothing and reports nothing" in caplog.text and "resumes from it" not in caplog.text
