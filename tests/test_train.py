@@ -416,8 +416,11 @@ def test_ctrl_c_before_the_ranks_start_is_one_line(tmp_path, script):
     (tmp_path / "torch" / "__init__.py").write_text(f"import time\nopen({str(ready)!r}, 'w').close()\n"
                                                     "time.sleep(600)\n")
     env = os.environ | {"PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
+    # SIGINT as a terminal's foreground job has it: a runner started in the background without job control (a CI
+    # script under `cmd &`) passes SIGINT on ignored, and Python then never raises KeyboardInterrupt
     job = subprocess.Popen(["bash", f"launch/{script}", TINY], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, start_new_session=True)
+                           stderr=subprocess.PIPE, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while not ready.exists():
         assert job.poll() is None, job.communicate()
         time.sleep(0.05)
