@@ -12,7 +12,7 @@ fi
 # the launchers the tests start (launch/train.sh, launch/deepspeed.sh) run under the same interpreter
 export PYTHON
 if (( $# == 0 )); then
-  echo "tests/run.sh: the whole suite, 20 to 22 min of pytest on 2 CPU cores (a new .venv adds 1 to 4 min)" >&2
+  echo "tests/run.sh: the whole suite, about 24 min of pytest on 2 CPU cores (a new .venv adds 1 to 4 min)" >&2
 fi
 # Two pytest-xdist workers, a test file each at a time (module-scoped fixtures built once): most tests are one
 # single-threaded process (interpreted Triton kernels, Dynamo traces), so two of them use both of CI's cores; 20-22 min
