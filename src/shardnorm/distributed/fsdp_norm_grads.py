@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradAttributeSource, local_tensor
+from shardnorm.distributed.grad_sources import REDUCER_ATTR, GradAttributeSource, follow_grad_change, local_tensor
 from shardnorm.rows import dtensor_like
 
 
@@ -98,11 +98,9 @@ class FSDPShardedGrads(GradAttributeSource):
 
     def _follow_user_changes(self) -> None:
         """Apply to the record what the user did to the held sharded grads since FSDP wrote them, without reading
-        the device: a grad set to None or replaced takes all of it; in place, elementwise against the values FSDP
-        left, an unchanged element keeps its reduced part, a scaled one (zeroed: by 0) scales it alike, and a value
-        set where FSDP left 0, NaN or Inf counts as reduced (the reducer's stash does the same, `_Slot._kept`). No
-        version counter is read: `torch._foreach_zero_` (a foreach or fused optimizer's zero_grad) and `.data` bump
-        none."""
+        the device: a grad set to None or replaced takes all of it; changed in place, its reduced part follows the
+        change as the reducer's stash does (`follow_grad_change`; a value set where FSDP left 0, NaN or Inf counts
+        as reduced)."""
         for p in self.params:
             held, seen = self._dirty.get(id(p), (None, None))
             if held is None:
@@ -115,9 +113,7 @@ class FSDPShardedGrads(GradAttributeSource):
             if base is None or seen is None:  # all of it unreduced, or nothing changed since FSDP wrote
                 continue
             now = local_tensor(held).reshape(-1).to(torch.float32, copy=True)
-            scaled = (seen != 0) & seen.isfinite()
-            ratio = torch.where(scaled, now / seen, 0.0)
-            self._before[id(p)] = torch.where(now == seen, base, torch.where(scaled, ratio * base, now))
+            self._before[id(p)], = follow_grad_change(seen, now, (base, now))
             self._dirty[id(p)] = (held, now)
 
     @property

@@ -119,6 +119,19 @@ def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def follow_grad_change(written: torch.Tensor, now: torch.Tensor, *parts: tuple) -> list[torch.Tensor]:
+    """Each of `parts`, (a share of the values `written` into a `.grad`, its value where `written` gives no
+    ratio), as the user's change of that `.grad` from `written` to `now` leaves it, elementwise (flat fp32): as it
+    was where the grad is unchanged, scaled alike where the user scaled it (zeroed: by 0), and the given value
+    where the written value is 0, NaN or Inf (an overflowed micro-batch's), which no ratio carries over. No version
+    counter tells the change: `torch._foreach_zero_` (a foreach or fused optimizer's zero_grad) and `.data` bump
+    none."""
+    same = now == written
+    scaled = (written != 0) & written.isfinite()
+    ratio = torch.where(scaled, now / written, 0.0)
+    return [torch.where(same, part, torch.where(scaled, ratio * part, unscalable)) for part, unscalable in parts]
+
+
 class GradAttributeSource(GradSource):
     """Partial sums that accumulate in `param.grad` over `group` (so a `zero_grad` drops them), harvested at the
     step boundary. A subclass says which params hold unreduced grads (`_unreduced`) and what part of their

@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardnorm._torch_compat import (current_graph_task_id, dtensor_local, dtensor_spec_of, dtensor_with_spec,
                                      foreach_copy, queue_backward_callback)
-from shardnorm.distributed.grad_sources import GradSource, NormBackward, local_tensor
+from shardnorm.distributed.grad_sources import GradSource, NormBackward, follow_grad_change, local_tensor
 
 ReduceMode = Literal["bucketed", "per_layer"]
 
@@ -94,15 +94,10 @@ class _Slot:
         before: a zeroing after a NaN micro-batch leaves zeros, not 0 x NaN."""
         if self.param.grad is None:
             return None, None
-        now = local_tensor(self.param.grad).reshape(-1)
-        same = now == self.written
+        now, written = local_tensor(self.param.grad).reshape(-1).float(), self.written.float()
         if self.base is None:
-            return torch.where(same, self.total, now.float()), None
-        written = self.written.float()
-        scaled = (written != 0) & written.isfinite()
-        ratio = torch.where(scaled, now.float() / written, 0.0)
-        base = torch.where(same, self.base, torch.where(scaled, ratio * self.base, now.float()))
-        return torch.where(same, self.total, torch.where(scaled, ratio * self.total, 0.0)), base
+            return torch.where(now == written, self.total, now), None
+        return tuple(follow_grad_change(written, now, (self.total, 0.0), (self.base, now)))
 
     def holds_sum(self) -> bool:
         """Whether a stashed sum is left after the user's handling of `.grad` (a read of the device)."""
@@ -452,12 +447,7 @@ class NormGradReducer:
             self.finalize()
         else:
             self._finish_per_layer()
-            self._lay_out_staged()
-            for b in self.buckets:
-                b.stash()
-            self.source.end_backward()
-            self._left_pending = True
-            arm_step_check()
+            self._leave_for_the_step()
 
     def _abandon_backward(self) -> None:
         """The backward raised, and its end callback will never run. What it reduced (buckets launched with all
@@ -476,6 +466,11 @@ class NormGradReducer:
         late, self._late = self._late, []
         for s, g in late:
             self._accumulate(s, g)
+        self._leave_for_the_step()
+
+    def _leave_for_the_step(self) -> None:
+        """A backward ended without ending the step: its sums wait in `.grad` (stashed) for the step's last backward
+        or `finalize_grads`, and until then an optimizer step over them is refused."""
         self._lay_out_staged()
         for b in self.buckets:
             b.stash()
