@@ -204,19 +204,21 @@ def test_trainer_torch_compile(tmp_path):
            "compiled Trainer with shardnorm vs eager Trainer with the model's own norms")
 
 
+def _tiny_llama():
+    """A one-layer Llama config (transformers' logging quiet)."""
+    transformers.logging.set_verbosity_error()
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=2)
+
+
 def test_enable_refuses_a_trainer_with_model_init(tmp_path):
     """A Trainer built with `model_init` makes a new model in train(): enable(trainer) names that, where the norms it
     converted would be silently dropped (the run would train the model's own norms)."""
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-
     from shardnorm.integrations.transformers import enable
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2)
-    transformers.logging.set_verbosity_error()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no")
-    trainer = Trainer(model_init=lambda: LlamaForCausalLM(config), args=args)
+    config = _tiny_llama()
+    trainer = transformers.Trainer(model_init=lambda: transformers.LlamaForCausalLM(config),
+                                   args=_args(str(tmp_path), 1, 1))
     with pytest.raises(ValueError, match="has a model_init, which train\\(\\) calls to build a new model"):
         enable(trainer)
 
@@ -224,16 +226,10 @@ def test_enable_refuses_a_trainer_with_model_init(tmp_path):
 def test_enable_twice_asks_for_nothing_new(tmp_path):
     """A second enable(trainer) returns the converted model with the same options and refuses other ones, naming
     them (it changed nothing, silently: the model was converted, its reducer built, by the first)."""
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-
     from shardnorm.integrations.transformers import enable
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2)
-    transformers.logging.set_verbosity_error()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no")
-    trainer = Trainer(model=LlamaForCausalLM(config), args=args)
+    config = _tiny_llama()
+    trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=_args(str(tmp_path), 1, 1))
     model = enable(trainer)
     assert enable(trainer) is model
     with pytest.raises(ValueError, match=r"ran for this Trainer already.*keep_output=False \(enabled with True\)"):
