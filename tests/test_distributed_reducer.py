@@ -6,6 +6,7 @@ Collectives are counted by wrapping `torch.distributed.all_reduce` (the real one
 sequence-parallel stack below issues no other all_reduce, so every call counted is a norm-grad reduction.
 """
 
+import gc
 import warnings
 from contextlib import nullcontext
 
@@ -544,6 +545,7 @@ def _partial_grads_source(rank, world_size, seed):
     """A hook's partial sums in `.grad` (DeepSpeed AutoTP's source): the framework's boundary ends the step, also
     inside `accumulate`; a zero_grad after a given-up step leaves nothing pending."""
     from shardnorm.distributed.grad_sources import PartialGrads
+    from shardnorm.distributed.reducer import release_step_check
 
     ref, model = _random_pair(seed)
     model.to(rank_device(rank))
@@ -565,10 +567,14 @@ def _partial_grads_source(rank, world_size, seed):
             micro_batch(last=mb == MICRO_BATCHES - 1)
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         assert rel_err(p.grad.cpu(), r.grad) <= TOL, f"partial grads, boundary inside accumulate: {name}"
+    gc.collect()  # the earlier cases' models, and their reducers
+    assert _step_checks() == 0, "partial grads: the step check stayed after the boundary reduced the sums"
     opt.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
     micro_batch(last=False, scale=1e3)  # a step given up after its first micro-batch
     assert reducer.has_pending
+    release_step_check()  # as another model's reducer does when its step's sums are reduced
+    assert _step_checks() == 1, "partial grads pending between boundaries and no step check"
     opt.zero_grad(set_to_none=True)
     assert not reducer.has_pending, "partial grads: zero_grad left the step pending"
     for mb in range(MICRO_BATCHES):

@@ -475,6 +475,12 @@ class NormGradReducer:
         for b in self.buckets:
             b.stash()
         self.source.end_backward()
+        self.note_pending()
+
+    def note_pending(self) -> None:
+        """Sums wait for the step's last backward or `finalize_grads` (an accumulating backward's, or a source's
+        between its framework's boundaries): until they are reduced or discarded, an optimizer step over them is
+        refused (`release_step_check` reads this reducer's note)."""
         self._left_pending = True
         arm_step_check()
 
