@@ -400,15 +400,20 @@ def test_mixed_dtype_residual_and_retried_backward():
     assert all(torch.isfinite(g).all() for g in second_on)
 
 
-def test_input_changed_through_data_raises(device):
-    """The norm's input written through `.data` (no version bump) between forward and backward: the recompute's
-    statistics differ from the forward's, and the backward raises instead of using a wrong output (on a GPU at the
-    end of the backward, where the flags are read once)."""
+@pytest.mark.parametrize("write", ["affine", "roll_within_rows"])
+def test_input_changed_through_data_raises(device, write):
+    """The norm's input written through `.data` (no version bump) between forward and backward: the recompute
+    differs from what the consumers read, and the backward raises instead of using a wrong output (on a GPU at the
+    end of the backward, where the flags are read once). Elements moved within a row keep the row's statistics
+    and change its output."""
     parent = _Parent(False).to(device)
     x = torch.randn(3, H, device=device, requires_grad=True)
     h = x * 1.0
     out = parent(h)
-    h.data.mul_(3.0).add_(1.0)
+    if write == "affine":
+        h.data.mul_(3.0).add_(1.0)
+    else:
+        h.data.copy_(h.data.roll(1, dims=-1))
     with pytest.raises(KeepOutputError, match="without a version-counter bump"):
         out.sum().backward()
         read_checks(lambda: parent(x))
@@ -1065,7 +1070,15 @@ def test_fingerprint_kernel_is_the_torch_sums(triton_backend, shape, dims):
             rows, block_n = output_checks._blocks(words.shape[-1])
             want = reference.fingerprint(words, rows)
             assert torch.equal(kernels.fingerprint(words, rows, block_n), want), (dtype, view.stride())
-            assert torch.equal(output_checks.fingerprint(view), want)
+            for _ in range(2):  # the second call takes the layout's cached words view
+                assert torch.equal(output_checks.fingerprint(view), want)
+            # the same shape and strides one element further into the storage: other words, its own layout
+            shifted = torch.empty(t.numel() + 1, dtype=dtype, device=t.device)
+            shifted = shifted.as_strided(view.shape, view.stride(), 1).copy_(view)
+            words = output_checks._words_4d(output_checks._words(shifted))
+            want = reference.fingerprint(words, output_checks._blocks(words.shape[-1])[0])
+            for _ in range(2):
+                assert torch.equal(output_checks.fingerprint(shifted), want)
 
 
 def test_reference_fingerprint_multiplies_modulo_2_32_exactly():

@@ -305,6 +305,15 @@ def _regather_edges(rank, world_size):
             torch.cuda.synchronize()
             model(x)
 
+    model, x = build(False)  # the norm's input written behind autograd: the re-gathered copy differs too
+    loss = model(x).sum()
+    x.to_local().data.copy_(x.to_local().data.roll(1, dims=-1))
+    with pytest.raises(KeepOutputError, match="the input it is recomputed from"):
+        loss.backward()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+            model(x)
+
     with pytest.warns(UserWarning, match="RegatherColwiseParallel"):
         torch_consumer = dict(consumer=ColwiseParallel, seq=seq)
         for a, b in zip(grads(True, **torch_consumer), grads(False, **torch_consumer)):

@@ -9,9 +9,9 @@ others share that copy and the last drops it (Megatron-Core's column-parallel li
 one gather serving every consumer as in torchtitan's `AllGatherLinearMulti`). Nothing else is intercepted: the
 consumers own their saves, and a model without such consumers runs as torch runs it.
 
-Checked, not assumed: the norm's input changed after the forward (version counter, or the recompute's statistics
-against the forward's), and the gathered output written behind autograd before a consumer read it (a checksum of the
-bits each consumer read against the re-gathered copy's); either raises `KeepOutputError`
+Checked, not assumed: the norm's input changed in place after the forward (version counter), and a re-gathered copy
+that differs from what a consumer read (a checksum of the bits each consumer read against the copy's: the gathered
+output, or the norm's input, written behind autograd); either raises `KeepOutputError`
 (on a GPU as soon as the backward's flags reach the host: `output_checks.check_equal`).
 
 Under torch.compile the consumers run torch's linear and a selective checkpoint recomputes the norm and the gather
