@@ -2,7 +2,10 @@
 off and on, alternating rounds (host ms until the step is queued); then the option's functions wrapped with timers
 (inclusive host us per step) and a cProfile of each variant.
 
-    torchrun --nproc-per-node 1 sp_host.py OUT      # PYTHONPATH=src:. from the checkout"""
+    torchrun --nproc-per-node 1 sp_host.py OUT [SEQ]      # PYTHONPATH=src:. from the checkout
+
+SEQ (default 4096) sets the tokens per micro-batch: at 1024 the GPU's work is a quarter and the step host-bound, as
+tp=2's is at 4096, so the host's times are not stretched by launches waiting for room in a full GPU queue."""
 import argparse, cProfile, functools, io, json, pstats, statistics, sys, time
 from collections import defaultdict
 from pathlib import Path
@@ -53,7 +56,8 @@ def main():
     dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
     mesh = init_device_mesh(DEV, (1,))
     small = DEV == "cpu"
-    args = argparse.Namespace(dim=64 if small else 4096, ffn=96 if small else 11008, seq=64 if small else 4096,
+    seq = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+    args = argparse.Namespace(dim=64 if small else 4096, ffn=96 if small else 11008, seq=64 if small else seq,
                               layers=4, device=DEV, dtype=torch.bfloat16, compile=False, inductor=None)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(1, args.seq, args.dim, generator=g).to(DEV, torch.bfloat16) for _ in range(2)]
@@ -80,7 +84,7 @@ def main():
     d = [a - b for a, b in zip(host["on"], host["off"])]
     log(f"host ms off {statistics.median(host['off']):.2f}, on {statistics.median(host['on']):.2f}; on - off per "
         f"round: median {statistics.median(d):.2f}, range {min(d):.2f}..{max(d):.2f}")
-    log(f"step ms off {statistics.median(step['off']):.2f}, on {statistics.median(step['on']):.2f}")
+    log(f"seq {args.seq}; step ms off {statistics.median(step['off']):.2f}, on {statistics.median(step['on']):.2f}")
     for name, prof_key in (("off", "off"), ("on", "on")):
         pr = cProfile.Profile()
         sync()
@@ -95,11 +99,13 @@ def main():
     targets = [(regather.GatheredOutput, "start"), (regather.GatheredOutput, "take"),
                (regather._RegatherLinear, "forward"), (regather._RegatherLinear, "backward"),
                (regather, "attach"), (output_recompute, "track"), (output_recompute._Remake, "__call__"),
-               (output_recompute, "_check_statistics"), (output_recompute, "_forward_state"),
+               (output_recompute, "_check_statistics"), (output_recompute, "_norm_node"),
                (output_checks, "fingerprint"), (output_checks, "check_equal"), (output_checks, "_check_pending"),
                (output_checks, "check_arrived"), (ops, "recompute_output"), (sequence_gather, "start_gather"),
                (sequence_gather, "gathered")]
     for owner, name in targets:
+        if not hasattr(owner, name):  # (a piece the tree being measured does not have)
+            continue
         wrap(owner, name, f"{getattr(owner, '__name__', owner)}.{name}".replace("shardnorm.", ""))
     result = {"host_ms": host, "step_ms": step, "timers": {}}
     for k in steps:
