@@ -1070,15 +1070,13 @@ def test_fingerprint_kernel_is_the_torch_sums(triton_backend, shape, dims):
             rows, block_n = output_checks._blocks(words.shape[-1])
             want = reference.fingerprint(words, rows)
             assert torch.equal(kernels.fingerprint(words, rows, block_n), want), (dtype, view.stride())
-            for _ in range(2):  # the second call takes the layout's cached words view
-                assert torch.equal(output_checks.fingerprint(view), want)
+            assert torch.equal(output_checks.fingerprint(view), want)
             # the same shape and strides one element further into the storage: other words, its own layout
             shifted = torch.empty(t.numel() + 1, dtype=dtype, device=t.device)
             shifted = shifted.as_strided(view.shape, view.stride(), 1).copy_(view)
             words = output_checks._words_4d(output_checks._words(shifted))
             want = reference.fingerprint(words, output_checks._blocks(words.shape[-1])[0])
-            for _ in range(2):
-                assert torch.equal(output_checks.fingerprint(shifted), want)
+            assert torch.equal(output_checks.fingerprint(shifted), want)
 
 
 def test_reference_fingerprint_multiplies_modulo_2_32_exactly():

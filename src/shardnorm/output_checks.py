@@ -4,9 +4,9 @@ and comparisons a GPU backward makes at its end and reads without waiting for th
 A consumer of a norm output saves a handle instead of the output; what it read in its forward is kept as a
 checksum (`fingerprint`), compared with the recompute's in the backward (`check_equal`). A difference is a write
 behind autograd (through `.data` or a detached alias) to the output before the consumer read it, or to the input the
-output is recomputed from: the backward raises `KeepOutputError` instead of giving grads of values the forward never used. On the host a check is
-immediate; on a GPU one backward's comparisons are made together at its end and their flags reach the host in one
-asynchronous copy, read when it has landed.
+output is recomputed from: the backward raises `KeepOutputError` instead of giving grads of values the forward never
+used. On the host a check is immediate; on a GPU one backward's comparisons are made together at its end and their
+flags reach the host in one asynchronous copy, read when it has landed.
 """
 
 import atexit
@@ -40,25 +40,11 @@ def fingerprint(t: Tensor) -> Tensor:
     bf16 output on an H200, 43.4 vs 106.7 over a transposed view; 2-15 us more host time a call:
     `fingerprint_bench.json`); on the CPU (and the torch backend) torch ops compute the same sums."""
     local = (_torch_compat.dtensor_local(t) if _torch_compat.is_dtensor(t) else t).detach()
-    layout = (local.shape, local.stride(), local.storage_offset() & 3, local.dtype, local.device,
-              settings.get().backend)
-    plan = _plans.get(layout)
-    if plan is not None:  # the layout's words as a view and its launch, worked out once (~10 us of host a call)
-        word_dtype, shape, rows_per_block, block_n = plan
-        return _kernels().fingerprint(local.view(word_dtype).view(shape), rows_per_block, block_n)
     words = _words_4d(_words(local))
     rows_per_block, block_n = _blocks(words.shape[-1])
     if not settings.runs_triton(local) or words.element_size() not in (2, 4):
         return reference.fingerprint(words, rows_per_block)
-    if words.data_ptr() == local.data_ptr():  # read in place (a copy's words are not the layout's view)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[layout] = (words.dtype, words.shape, rows_per_block, block_n)
     return _kernels().fingerprint(words, rows_per_block, block_n)
-
-
-_plans: dict = {}  # (shape, stride, offset mod 4, dtype, device, backend) -> (word dtype, 4-D shape, blocks)
-_MAX_PLANS = 256  # layouts seen (sequence lengths vary from batch to batch): forgotten all at once beyond this
 
 
 # Words a block's program reads at a time (rows per block x block_n), and the widest block_n: 8 x 512 read a 64 MiB
