@@ -237,8 +237,8 @@ def _noted(error: Exception, note: str) -> Exception:
 
 
 def changed_output_error() -> KeepOutputError:
-    return KeepOutputError("a norm with keep_output=False: its output, or the input it is recomputed from, was written "
-                           "after the norm's forward without a version-counter bump (through `.data` or a detached "
-                           "alias, e.g. in a forward hook), so its consumers' forward saw other values than the "
-                           "recompute for their backward gives. Keep this norm's output (keep_output=True), or change "
-                           "the tensor with an ordinary in-place op or out of place.")
+    return KeepOutputError("shardnorm: a norm with keep_output=False: its output, or the input it is recomputed from, "
+                           "was written after the norm's forward without a version-counter bump (through `.data` or a "
+                           "detached alias, e.g. in a forward hook), so its consumers' forward saw other values than "
+                           "the recompute for their backward gives. Keep this norm's output (keep_output=True), or "
+                           "change the tensor with an ordinary in-place op or out of place.")
