@@ -118,8 +118,8 @@ _pending_lock = threading.Lock()  # a backward's nodes run on device threads; it
 def check_equal(a: Tensor, b: Tensor, error) -> None:
     """Raise `error()` if `a` and `b` (same shape and dtype) differ anywhere: at once on the host; on a CUDA device
     without waiting. A backward's comparisons are made at its end, those of one shape together (one kernel for all
-    its fingerprints of one size), and their flags copied to the host in one asynchronous
-    copy, read as soon as it has landed: at the end of that backward if the GPU is done with it, else at the next
+    its fingerprints of one size), and their flags copied to the host in one asynchronous copy, read as soon as it
+    has landed: at the end of that backward if the GPU is done with it, else at the next
     forward of a keep_output=False norm or, at the latest, at the end of the next backward, which waits for it.
     Reading them at the end of their own backward would drain the GPU's queue once per micro-batch: the next
     forward's launches could no longer run ahead of the GPU. Flags still unread when the process exits are read

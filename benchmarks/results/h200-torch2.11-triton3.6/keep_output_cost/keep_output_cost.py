@@ -20,7 +20,7 @@ from shardnorm import output_checks, output_recompute
 OUT = Path(sys.argv[1])
 OUT.mkdir(parents=True, exist_ok=True)
 ORIG = dict(fp=output_checks.fingerprint, eq=output_checks.check_equal,
-            stats=getattr(output_recompute, "_check_statistics", None))  # (gone from later trees)
+            stats=getattr(output_recompute, "_check_statistics", None))  # None: the tree measured has no statistics check
 _zero = {}
 
 

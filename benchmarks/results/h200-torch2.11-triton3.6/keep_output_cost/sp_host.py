@@ -104,7 +104,7 @@ def main():
                (output_checks, "check_arrived"), (ops, "recompute_output"), (sequence_gather, "start_gather"),
                (sequence_gather, "gathered")]
     for owner, name in targets:
-        if not hasattr(owner, name):  # (a piece the tree being measured does not have)
+        if not hasattr(owner, name):  # the tree measured has no such piece
             continue
         wrap(owner, name, f"{getattr(owner, '__name__', owner)}.{name}".replace("shardnorm.", ""))
     result = {"host_ms": host, "step_ms": step, "timers": {}}
